@@ -1,0 +1,91 @@
+"""torchdi: one differentiation interface for PyTorch.
+
+Write ``f(x, *contexts)`` once; get gradients, jacobians, hessians, HVPs, pullbacks and
+pushforwards from eager ``torch.autograd``, ``torch.func``, ``torch.compile``, XLA devices or
+finite differences, with a prepare-once / run-many split.
+"""
+
+from torchdi.backends import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoXLA,
+    SecondOrder,
+    check_available,
+)
+from torchdi.contexts import Cache, Constant
+from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
+from torchdi.operators import (
+    derivative,
+    gradient,
+    gradient_and_hvp,
+    hessian,
+    hvp,
+    jacobian,
+    prepare_derivative,
+    prepare_gradient,
+    prepare_hessian,
+    prepare_hvp,
+    prepare_jacobian,
+    prepare_pullback,
+    prepare_pushforward,
+    prepare_second_derivative,
+    pullback,
+    pushforward,
+    second_derivative,
+    value_and_derivative,
+    value_and_gradient,
+    value_and_jacobian,
+    value_and_pullback,
+    value_and_pushforward,
+    value_derivative_and_second_derivative,
+    value_gradient_and_hessian,
+)
+from torchdi.prep import PreparationMismatchError, Prep
+from torchdi.translate import copyfrom, copyto_, to_device_tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoAutograd",
+    "AutoCompile",
+    "AutoFiniteDiff",
+    "AutoFunc",
+    "AutoXLA",
+    "BackendUnavailableError",
+    "Cache",
+    "Constant",
+    "Prep",
+    "PreparationMismatchError",
+    "SecondOrder",
+    "UnsupportedOperatorError",
+    "check_available",
+    "copyfrom",
+    "copyto_",
+    "derivative",
+    "gradient",
+    "gradient_and_hvp",
+    "hessian",
+    "hvp",
+    "jacobian",
+    "prepare_derivative",
+    "prepare_gradient",
+    "prepare_hessian",
+    "prepare_hvp",
+    "prepare_jacobian",
+    "prepare_pullback",
+    "prepare_pushforward",
+    "prepare_second_derivative",
+    "pullback",
+    "pushforward",
+    "second_derivative",
+    "to_device_tensor",
+    "value_and_derivative",
+    "value_and_gradient",
+    "value_and_jacobian",
+    "value_and_pullback",
+    "value_and_pushforward",
+    "value_derivative_and_second_derivative",
+    "value_gradient_and_hessian",
+]

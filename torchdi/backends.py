@@ -1,0 +1,191 @@
+"""Backend descriptions: frozen, hashable dataclasses that hold settings only.
+
+A backend says *how* to differentiate; the code that does it lives in ``torchdi/engines``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "AutoAutograd",
+    "AutoCompile",
+    "AutoFiniteDiff",
+    "AutoFunc",
+    "AutoXLA",
+    "Backend",
+    "SecondOrder",
+    "check_available",
+]
+
+
+@dataclass(frozen=True)
+class AutoAutograd:
+    """Eager ``torch.autograd``: the reference backend.
+
+    Reverse mode through ``torch.autograd.grad``, forward mode through dual tensors
+    (``torch.autograd.forward_ad``), second order through double backward.
+
+    Example::
+
+        >>> torchdi.gradient(lambda x: (x**2).sum(), torchdi.AutoAutograd(), torch.ones(3))
+        tensor([2., 2., 2.])
+    """
+
+
+@dataclass(frozen=True)
+class AutoFunc:
+    """Eager ``torch.func`` transforms (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``, ``vmap``).
+
+    Args:
+        chunk_size: passed to ``jacrev``/``jacfwd`` to bound the memory of batched jacobians.
+            ``None`` computes all rows at once.
+    """
+
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_size is not None and (
+            not isinstance(self.chunk_size, int) or self.chunk_size < 1
+        ):
+            raise ValueError(f"AutoFunc: chunk_size must be None or a positive int, got {self.chunk_size!r}")
+
+
+@dataclass(frozen=True)
+class AutoCompile:
+    """The functional closure built by ``inner``, compiled once with ``torch.compile`` at preparation.
+
+    Args:
+        inner: the eager backend whose closure is compiled (``AutoFunc()`` by default).
+        mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``, ``"max-autotune"``, ...).
+        fullgraph: refuse graph breaks (an error at preparation names the reason).
+        dynamic: ``torch.compile``'s ``dynamic=``.
+        compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
+        options: inductor options (a mapping), as ``torch.compile(options=...)``.
+    """
+
+    inner: Backend = field(default_factory=lambda: AutoFunc())
+    mode: str | None = None
+    fullgraph: bool = True
+    dynamic: bool | None = None
+    compiler: str = "inductor"
+    options: Mapping[str, Any] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, (AutoAutograd, AutoFunc, SecondOrder)):
+            raise TypeError(
+                "AutoCompile: inner must be AutoFunc(), AutoAutograd() or SecondOrder(...) of them, "
+                f"got {self.inner!r}"
+            )
+        if self.mode is not None and self.options is not None:
+            raise ValueError("AutoCompile: pass either mode= or options=, not both (torch.compile rule)")
+        if not isinstance(self.compiler, str):
+            raise TypeError(f"AutoCompile: compiler must be a backend name (str), got {self.compiler!r}")
+
+    def __hash__(self) -> int:
+        options = tuple(sorted(self.options.items())) if self.options else None
+        return hash((self.inner, self.mode, self.fullgraph, self.dynamic, self.compiler, options))
+
+
+@dataclass(frozen=True)
+class AutoXLA:
+    """The closure built by ``inner``, lowered through torch-xla to an XLA device.
+
+    Args:
+        inner: the eager backend whose closure is lowered (``AutoFunc()`` by default).
+        device: the XLA device (``None``: torch-xla's default device).
+        reuse_buffers: own device buffers for ``x`` and tensor contexts and copy new values into
+            them each call, instead of transferring fresh tensors.
+    """
+
+    inner: Backend = field(default_factory=lambda: AutoFunc())
+    device: Any = None
+    reuse_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, (AutoAutograd, AutoFunc, SecondOrder)):
+            raise TypeError(f"AutoXLA: inner must be an eager backend, got {self.inner!r}")
+
+
+@dataclass(frozen=True)
+class AutoFiniteDiff:
+    """Finite differences, for black-box code and for checking other backends.
+
+    Args:
+        method: ``"central"`` (error O(h^2)), ``"forward"`` or ``"backward"`` (O(h)).
+        step: the relative step ``h``; ``None`` picks ``eps**(1/3)`` (central) or ``eps**(1/2)``
+            for the input's dtype, scaled by ``1 + max|x|``.
+    """
+
+    method: Literal["central", "forward", "backward"] = "central"
+    step: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("central", "forward", "backward"):
+            raise ValueError(
+                f"AutoFiniteDiff: method must be 'central', 'forward' or 'backward', got {self.method!r}"
+            )
+        if self.step is not None and not (isinstance(self.step, (int, float)) and self.step > 0):
+            raise ValueError(f"AutoFiniteDiff: step must be None or a positive number, got {self.step!r}")
+
+
+@dataclass(frozen=True)
+class SecondOrder:
+    """Second-order operators where ``outer`` differentiates what ``inner`` computes.
+
+    ``SecondOrder(AutoFunc(), AutoFunc())`` computes an HVP as a forward-mode pushforward (outer)
+    of a reverse-mode gradient (inner). First-order operators use ``inner``.
+    """
+
+    outer: Backend
+    inner: Backend
+
+    def __post_init__(self) -> None:
+        for name in ("outer", "inner"):
+            value = getattr(self, name)
+            if not isinstance(value, _BACKEND_TYPES):
+                raise TypeError(f"SecondOrder: {name} must be a torchdi backend, got {value!r}")
+
+
+Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder
+_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder)
+
+
+def check_available(backend: Backend) -> bool:
+    """Whether ``backend`` can run here (its package is installed and its device present).
+
+    Example::
+
+        >>> torchdi.check_available(torchdi.AutoFunc())
+        True
+    """
+    return unavailable_reason(backend) is None
+
+
+def unavailable_reason(backend: Backend) -> str | None:
+    """Why ``backend`` cannot run here, or ``None`` when it can."""
+    if not isinstance(backend, _BACKEND_TYPES):
+        raise TypeError(f"backend must be a torchdi backend (AutoAutograd(), AutoFunc(), ...), got {backend!r}")
+    if isinstance(backend, SecondOrder):
+        return unavailable_reason(backend.outer) or unavailable_reason(backend.inner)
+    if isinstance(backend, AutoCompile):
+        return unavailable_reason(backend.inner)
+    if isinstance(backend, AutoXLA):
+        if importlib.util.find_spec("torch_xla") is None:
+            return "AutoXLA needs the 'torch_xla' package (pip install torchdi[xla]; torch-xla pins its torch version)"
+        from torchdi.engines.xla import xla_device_problem
+
+        return xla_device_problem(backend)
+    return None
+
+
+def require_available(backend: Backend) -> None:
+    """Raise ``BackendUnavailableError`` naming what is missing when ``backend`` cannot run."""
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        from torchdi.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(reason)

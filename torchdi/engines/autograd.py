@@ -1,0 +1,173 @@
+"""``AutoAutograd``: eager ``torch.autograd``, the reference every other backend is compared with.
+
+Reverse mode with ``torch.autograd.grad`` (one backward per cotangent, graph retained),
+forward mode by double backward (dual tensors for ``derivative``), second order with double backward. Tangents are looped over:
+the reference favours the plainest computation over speed.
+
+When ``x`` already carries autograd or forward-AD state (an outer backend differentiates this
+one, as in ``SecondOrder(AutoAutograd(), AutoAutograd())``), the runners build differentiable
+graphs (``create_graph=True``) instead of detaching.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import AutoAutograd
+
+__all__ = ["AutogradEngine"]
+
+
+def _is_tracked(leaf: torch.Tensor) -> bool:
+    return leaf.requires_grad or fwAD.unpack_dual(leaf).tangent is not None
+
+
+def _track(x: Any) -> tuple[Any, list[torch.Tensor], bool]:
+    """``x`` with leaves that require grad, those leaves, and whether an outer transform is active."""
+    leaves, spec = pytree.tree_flatten(x)
+    if any(_is_tracked(leaf) for leaf in leaves):
+        leaves = [leaf if leaf.requires_grad else leaf.clone().requires_grad_() for leaf in leaves]
+        return pytree.tree_unflatten(leaves, spec), leaves, True
+    leaves = [leaf.detach().requires_grad_() for leaf in leaves]
+    return pytree.tree_unflatten(leaves, spec), leaves, False
+
+
+def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor], create_graph: bool, retain_graph: bool) -> list[torch.Tensor]:
+    """``torch.autograd.grad`` that returns zeros for outputs or inputs outside the graph."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    if not pairs:
+        return [torch.zeros_like(leaf) for leaf in inputs]
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs],
+        inputs,
+        [c for _, c in pairs],
+        create_graph=create_graph,
+        retain_graph=retain_graph or create_graph,
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    return list(grads)
+
+
+def _maybe_detach(tree: Any, nested: bool) -> Any:
+    return tree if nested else pytree.tree_map(lambda t: t.detach(), tree)
+
+
+class AutogradEngine:
+    """Runners for ``AutoAutograd``."""
+
+    native: ClassVar[frozenset[str]] = frozenset(
+        {"pullback", "pushforward", "gradient", "hvp", "derivative", "second_derivative"}
+    )
+    keeps_static: ClassVar[bool] = False
+
+    def __init__(self, backend: AutoAutograd) -> None:
+        self.backend = backend
+
+    def build(self, family: str, f: Any, spec: Any) -> Any:
+        builder = getattr(self, f"_{family}", None)
+        return None if builder is None else builder(f)
+
+    def _pullback(self, f: Any) -> Any:
+        def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            with torch.enable_grad():
+                x_in, leaves, nested = _track(x)
+                y = f(x_in, contexts)
+                y_leaves = pytree.tree_leaves(y)
+                ty_leaves = pytree.tree_leaves(ty)
+                count = ty_leaves[0].shape[0]
+                rows = [
+                    _grad(y_leaves, leaves, [t[i] for t in ty_leaves], nested, retain_graph=i < count - 1)
+                    for i in range(count)
+                ]
+            dx = [torch.stack([row[j] for row in rows]) for j in range(len(leaves))]
+            return _maybe_detach(y, nested), pytree.tree_unflatten(dx, pytree.tree_structure(x))
+
+        return run
+
+    def _pushforward(self, f: Any) -> Any:
+        # Forward mode by double backward rather than dual tensors: the VJP is linear in its
+        # cotangent u, so differentiating it with respect to u along dx gives J dx. Unlike dual
+        # tensors this composes with any inner backend, torch.func's jvp included (PyTorch
+        # does not nest forward-mode levels), which SecondOrder(AutoAutograd(), inner) needs.
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            with torch.enable_grad():
+                x_in, leaves, nested = _track(x)
+                y = f(x_in, contexts)
+                y_leaves, y_spec = pytree.tree_flatten(y)
+                cotangents = [torch.zeros_like(leaf, requires_grad=True) for leaf in y_leaves]
+                vjps = _grad(y_leaves, leaves, cotangents, create_graph=True, retain_graph=True)
+                tx_leaves = pytree.tree_leaves(tx)
+                columns = [
+                    _grad(vjps, cotangents, [t[i] for t in tx_leaves], nested, retain_graph=True)
+                    for i in range(tx_leaves[0].shape[0])
+                ]
+            dy = [torch.stack([column[j] for column in columns]) for j in range(len(y_leaves))]
+            return _maybe_detach(y, nested), pytree.tree_unflatten(dy, y_spec)
+
+        return run
+
+    def _gradient(self, f: Any) -> Any:
+        def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            with torch.enable_grad():
+                x_in, leaves, nested = _track(x)
+                y = f(x_in, contexts)
+                grads = _grad([y], leaves, [torch.ones_like(y)], nested, retain_graph=False)
+            return _maybe_detach(y, nested), pytree.tree_unflatten(grads, pytree.tree_structure(x))
+
+        return run
+
+    def _hvp(self, f: Any) -> Any:
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            with torch.enable_grad():
+                x_in, leaves, nested = _track(x)
+                y = f(x_in, contexts)
+                grads = _grad([y], leaves, [torch.ones_like(y)], create_graph=True, retain_graph=True)
+                tx_leaves = pytree.tree_leaves(tx)
+                count = tx_leaves[0].shape[0]
+                columns = [
+                    _grad(grads, leaves, [t[i] for t in tx_leaves], nested, retain_graph=True)
+                    for i in range(count)
+                ]
+            spec = pytree.tree_structure(x)
+            hvps = [torch.stack([column[j] for column in columns]) for j in range(len(leaves))]
+            return _maybe_detach(pytree.tree_unflatten(grads, spec), nested), pytree.tree_unflatten(hvps, spec)
+
+        return run
+
+    def _derivative(self, f: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            with fwAD.dual_level():
+                y = f(fwAD.make_dual(x, torch.ones_like(x)), contexts)
+                primal, tangent = fwAD.unpack_dual(y)
+            return primal, torch.zeros_like(primal) if tangent is None else tangent
+
+        return run
+
+    def _second_derivative(self, f: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            with torch.enable_grad():
+                x_in, (leaf,), nested = _track(x)
+                y = f(x_in, contexts)
+                dy = _jvp_by_double_vjp(y, leaf, create_graph=True)
+                d2y = _jvp_by_double_vjp(dy, leaf, create_graph=nested)
+            return _maybe_detach(y, nested), _maybe_detach(dy, nested), d2y
+
+        return run
+
+
+def _jvp_by_double_vjp(y: torch.Tensor, x: torch.Tensor, create_graph: bool) -> torch.Tensor:
+    """``dy/dx`` for a scalar ``x`` in reverse mode: the VJP is linear in its cotangent ``u``, so
+    differentiating it with respect to ``u`` yields the JVP, and the result stays differentiable."""
+    if not y.requires_grad:
+        return torch.zeros_like(y)
+    u = torch.zeros_like(y, requires_grad=True)
+    (vjp,) = torch.autograd.grad(y, x, u, create_graph=True, allow_unused=True, materialize_grads=True)
+    if not vjp.requires_grad:
+        return torch.zeros_like(y)
+    (jvp,) = torch.autograd.grad(vjp, u, torch.ones_like(x), create_graph=create_graph, allow_unused=True, materialize_grads=True)
+    return jvp

@@ -1,0 +1,90 @@
+"""``AutoFiniteDiff``: finite differences of ``f``, treated as a black box.
+
+Only the pushforward (a directional difference) and the second derivative are native; the
+gradient, pullback, jacobian and hessian come from the generic fallbacks over input bases, so
+they cost ``O(numel(x))`` evaluations of ``f``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import AutoFiniteDiff
+
+__all__ = ["FiniteDiffEngine"]
+
+
+def _max_abs(tree: Any) -> float:
+    return max(float(leaf.detach().abs().max()) if leaf.numel() else 0.0 for leaf in pytree.tree_leaves(tree))
+
+
+def _axpy(x: Any, step: float, direction: Any) -> Any:
+    return pytree.tree_map(lambda a, d: a + step * d, x, direction)
+
+
+class FiniteDiffEngine:
+    """Runners for ``AutoFiniteDiff``."""
+
+    native: ClassVar[frozenset[str]] = frozenset({"pushforward", "second_derivative"})
+    keeps_static: ClassVar[bool] = False
+
+    def __init__(self, backend: AutoFiniteDiff) -> None:
+        self.method = backend.method
+        self.step = backend.step
+
+    def build(self, family: str, f: Any, spec: Any) -> Any:
+        builder = getattr(self, f"_{family}", None)
+        return None if builder is None else builder(f)
+
+    def _relative_step(self, dtype: torch.dtype, order: int) -> float:
+        if self.step is not None:
+            return float(self.step)
+        eps = torch.finfo(dtype).eps
+        # Truncation vs rounding error: O(h^2) vs eps/h (central), O(h) vs eps/h (one-sided),
+        # and eps/h^2 for second differences.
+        if order == 2:
+            return float(eps ** 0.25)
+        return float(eps ** (1 / 3) if self.method == "central" else eps**0.5)
+
+    def _pushforward(self, f: Any) -> Any:
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            leaves = pytree.tree_leaves(x)
+            relative = self._relative_step(leaves[0].dtype, order=1)
+            scale = 1.0 + _max_abs(x)
+            y = f(x, contexts)
+            count = pytree.tree_leaves(tx)[0].shape[0]
+            columns = []
+            for i in range(count):
+                direction = pytree.tree_map(lambda t: t[i], tx)
+                norm = _max_abs(direction)
+                if norm == 0.0:
+                    columns.append(pytree.tree_map(torch.zeros_like, y))
+                    continue
+                h = relative * scale / norm
+                if self.method == "central":
+                    plus, minus = f(_axpy(x, h, direction), contexts), f(_axpy(x, -h, direction), contexts)
+                    columns.append(pytree.tree_map(lambda p, m: (p - m) / (2 * h), plus, minus))
+                elif self.method == "forward":
+                    plus = f(_axpy(x, h, direction), contexts)
+                    columns.append(pytree.tree_map(lambda p, y0: (p - y0) / h, plus, y))
+                else:
+                    minus = f(_axpy(x, -h, direction), contexts)
+                    columns.append(pytree.tree_map(lambda y0, m: (y0 - m) / h, y, minus))
+            return y, pytree.tree_map(lambda *cs: torch.stack(cs), *columns)
+
+        return run
+
+    def _second_derivative(self, f: Any) -> Any:
+        first = self._pushforward(f)
+
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            y, dy = first(x, torch.ones((1,), dtype=x.dtype, device=x.device), contexts)
+            h = self._relative_step(x.dtype, order=2) * (1.0 + float(x.abs()))
+            offsets = {"central": (1.0, 0.0, -1.0), "forward": (2.0, 1.0, 0.0), "backward": (0.0, -1.0, -2.0)}
+            a, b, c = (f(x + o * h, contexts) for o in offsets[self.method])
+            return y, dy[0], (a - 2 * b + c) / (h * h)
+
+        return run

@@ -1,0 +1,140 @@
+"""``AutoFunc``: ``torch.func`` transforms, with tangents batched by ``vmap``.
+
+These runners are pure functions of their arguments, which is what ``AutoCompile`` and
+``AutoXLA`` compile: contexts are arguments of the runner, never closed over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import AutoFunc
+
+__all__ = ["FuncEngine"]
+
+
+def _first(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t[0], tree)
+
+
+def _add_batch(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.unsqueeze(0), tree)
+
+
+class FuncEngine:
+    """Runners for ``AutoFunc``: every family natively."""
+
+    native: ClassVar[frozenset[str]] = frozenset(
+        {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
+    )
+    keeps_static: ClassVar[bool] = False
+
+    def __init__(self, backend: AutoFunc) -> None:
+        self.chunk_size = backend.chunk_size
+
+    def build(self, family: str, f: Any, spec: Any) -> Any:
+        return getattr(self, f"_{family}")(f, spec)
+
+    def _pullback(self, f: Any, spec: Any) -> Any:
+        single = spec.n_tangents == 1
+
+        def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            y, vjp_fn = vjp(lambda x_: f(x_, contexts), x)
+            if single:
+                (dx,) = vjp_fn(_first(ty))
+                return y, _add_batch(dx)
+            (dx,) = vmap(vjp_fn)(ty)
+            return y, dx
+
+        return run
+
+    def _pushforward(self, f: Any, spec: Any) -> Any:
+        single = spec.n_tangents == 1
+
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            def along(t: Any) -> tuple[Any, Any]:
+                return jvp(lambda x_: f(x_, contexts), (x,), (t,))
+
+            if single:
+                y, dy = along(_first(tx))
+                return y, _add_batch(dy)
+            y, dy = vmap(along, out_dims=(None, 0))(tx)
+            return y, dy
+
+        return run
+
+    def _gradient(self, f: Any, spec: Any) -> Any:
+        def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            g, y = grad_and_value(lambda x_: f(x_, contexts))(x)
+            return y, g
+
+        return run
+
+    def _derivative(self, f: Any, spec: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            return jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
+
+        return run
+
+    def _second_derivative(self, f: Any, spec: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            one = torch.ones_like(x)
+
+            def value_and_derivative(x_: torch.Tensor) -> tuple[Any, Any]:
+                return jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+
+            (y, dy), (_, d2y) = jvp(value_and_derivative, (x,), (one,))
+            return y, dy, d2y
+
+        return run
+
+    def _jacobian(self, f: Any, spec: Any) -> Any:
+        # Reverse mode builds one row per output, forward mode one column per input.
+        forward = spec.x.numel < spec.y.numel
+
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
+                y = f(x_, contexts)
+                return y, y
+
+            if forward:
+                jac, y = jacfwd(with_value, has_aux=True)(x)
+            else:
+                jac, y = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
+            return y, jac
+
+        return run
+
+    def _hvp(self, f: Any, spec: Any) -> Any:
+        single = spec.n_tangents == 1
+
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            gradient_of = grad(lambda x_: f(x_, contexts))
+
+            def along(t: Any) -> tuple[Any, Any]:
+                return jvp(gradient_of, (x,), (t,))
+
+            if single:
+                g, hv = along(_first(tx))
+                return g, _add_batch(hv)
+            return vmap(along, out_dims=(None, 0))(tx)
+
+        return run
+
+    def _hessian(self, f: Any, spec: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            def gradient_with_value(x_: torch.Tensor) -> tuple[Any, Any]:
+                g, y = grad_and_value(lambda x__: f(x__, contexts))(x_)
+                return g, (g, y)
+
+            if self.chunk_size is None:
+                hess, (g, y) = jacfwd(gradient_with_value, has_aux=True)(x)
+            else:
+                hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
+            return y, g, hess
+
+        return run

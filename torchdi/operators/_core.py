@@ -1,0 +1,334 @@
+"""What every operator shares: preparation, the strict check, runner construction, tangents, ``out=``.
+
+Each operator family ("gradient", "jacobian", ...) is computed by a *runner*: a pure function
+``runner(x, tangents, context_values) -> full result`` built once per preparation by the
+backend's engine (or by the generic fallback of the family when the engine has no native
+version). ``tangents`` are batched: one pytree shaped like ``x`` (or ``y``) with a leading
+dimension, one entry per tangent. The full result of each family holds everything the
+``value_and_*`` variant returns; the plain operator drops the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import _BACKEND_TYPES, AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, AutoXLA, Backend, SecondOrder, require_available
+from torchdi.errors import UnsupportedOperatorError
+from torchdi.contexts import bind_contexts, unwrap_contexts
+from torchdi.prep import Prep, describe, describe_contexts
+from torchdi.translate import copyto_
+
+__all__ = [
+    "FALLBACKS",
+    "Runner",
+    "Spec",
+    "TreeMeta",
+    "build_runner",
+    "outer_inner",
+    "prepare_operator",
+    "run_operator",
+    "unbatch",
+    "write_out",
+]
+
+Runner = Callable[[Any, Any, tuple[Any, ...]], tuple[Any, ...]]
+BoundFunction = Callable[[Any, tuple[Any, ...]], Any]
+
+# Which argument the tangents are shaped like, per family (None: the family takes no tangents).
+TANGENTS_LIKE = {
+    "pushforward": "x",
+    "pullback": "y",
+    "hvp": "x",
+    "derivative": None,
+    "gradient": None,
+    "jacobian": None,
+    "second_derivative": None,
+    "hessian": None,
+}
+SCALAR_X = {"derivative", "second_derivative"}
+TENSOR_X = {"jacobian", "hessian"}
+SCALAR_Y = {"gradient", "hvp", "hessian"}
+
+
+@dataclass(frozen=True)
+class TreeMeta:
+    """Structure, shapes and dtypes of a tensor pytree (no values)."""
+
+    spec: pytree.TreeSpec
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @staticmethod
+    def of(tree: Any) -> TreeMeta:
+        leaves, spec = pytree.tree_flatten(tree)
+        return TreeMeta(spec, tuple(leaf.shape for leaf in leaves), tuple(leaf.dtype for leaf in leaves))
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.spec.is_leaf()
+
+    @property
+    def numel(self) -> int:
+        return sum(int(torch.Size(s).numel()) for s in self.shapes)
+
+    def basis(self, like: Any) -> Any:
+        """The standard basis of this space, batched: leaf ``i`` has shape ``(numel, *shape_i)``.
+
+        ``like`` is a tensor pytree of this structure whose device the basis takes.
+        """
+        leaves = pytree.tree_leaves(like)
+        eye = torch.eye(self.numel, dtype=leaves[0].dtype, device=leaves[0].device)
+        pieces = torch.split(eye, [int(torch.Size(s).numel()) for s in self.shapes], dim=1)
+        return pytree.tree_unflatten(
+            [p.reshape(self.numel, *s).to(d) for p, s, d in zip(pieces, self.shapes, self.dtypes)], self.spec
+        )
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a runner builder may rely on: layouts of ``x`` and ``y`` and the number of tangents."""
+
+    x: TreeMeta
+    y: TreeMeta
+    n_tangents: int
+
+
+def outer_inner(backend: Backend) -> tuple[Backend, Backend]:
+    """The (outer, inner) pair of a second-order computation; a plain backend plays both roles.
+
+    Raises ``UnsupportedOperatorError`` for pairs PyTorch cannot compose: ``torch.func``
+    transforms cannot differentiate through ``torch.autograd.grad``.
+    """
+    if not isinstance(backend, SecondOrder):
+        return backend, backend
+    outer, inner = backend.outer, backend.inner
+    if _base(outer) is AutoFunc and _base(inner) is AutoAutograd:
+        raise UnsupportedOperatorError(
+            f"{backend!r}: torch.func transforms cannot differentiate torch.autograd.grad calls. "
+            "Backends that can: SecondOrder(AutoFunc(), AutoFunc()), SecondOrder(AutoAutograd(), AutoAutograd()), "
+            "SecondOrder(AutoAutograd(), AutoFunc()), SecondOrder(AutoFiniteDiff(), <any>)"
+        )
+    if _base(inner) is AutoFiniteDiff and _base(outer) is not AutoFiniteDiff:
+        raise UnsupportedOperatorError(
+            f"{backend!r}: finite differences of the inner backend are not differentiable by an AD outer backend. "
+            "Backends that can: SecondOrder(AutoFiniteDiff(), AutoFiniteDiff()), SecondOrder(AutoFiniteDiff(), AutoFunc()), "
+            "SecondOrder(AutoFunc(), AutoFunc()), AutoAutograd()"
+        )
+    return outer, inner
+
+
+def _base(backend: Backend) -> type:
+    """The eager backend type a (possibly compiled) backend runs."""
+    while isinstance(backend, (AutoCompile, AutoXLA)):
+        backend = backend.inner
+    return type(backend)
+
+
+# family -> generic builder(backend, f, spec); filled by the operator modules.
+FALLBACKS: dict[str, Callable[[Backend, BoundFunction, Spec], Runner]] = {}
+
+
+def build_runner(backend: Backend, family: str, f: BoundFunction, spec: Spec) -> Runner:
+    """The runner of ``family`` for ``backend``: the engine's native one, else the generic fallback."""
+    from torchdi.engines import engine_for
+
+    runner = engine_for(backend).build(family, f, spec)
+    if runner is None:
+        runner = FALLBACKS[family](backend, f, spec)
+    return runner
+
+
+def _check_backend(backend: Any, operator: str) -> None:
+    if not isinstance(backend, _BACKEND_TYPES):
+        raise TypeError(
+            f"{operator}: backend must be a torchdi backend such as torchdi.AutoAutograd() or "
+            f"torchdi.AutoFunc(), got {type(backend).__name__}"
+        )
+
+
+def _canonical_x(x: Any, family: str, operator: str) -> Any:
+    """``x`` as runners take it: detached from any outer graph, scalars as 0-d tensors."""
+    if family in SCALAR_X:
+        if isinstance(x, (bool, complex)) or not isinstance(x, (int, float, torch.Tensor)):
+            raise TypeError(f"{operator}: x must be a real Python number or a 0-d tensor, got {type(x).__name__}")
+        if isinstance(x, torch.Tensor):
+            if x.dim() != 0:
+                raise ValueError(f"{operator}: x must be a scalar (0-d tensor), got a tensor of shape {tuple(x.shape)}")
+        else:
+            return torch.tensor(float(x), dtype=torch.get_default_dtype())
+    if isinstance(x, torch.Tensor):
+        if not (x.is_floating_point() or x.is_complex()):
+            raise TypeError(f"{operator}: x must have a floating-point or complex dtype, got {x.dtype}")
+        return x.detach() if x.requires_grad else x
+    if family in TENSOR_X:
+        raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
+    leaves, spec = pytree.tree_flatten(x)
+    if not leaves:
+        raise ValueError(f"{operator}: x must contain at least one tensor, got {x!r}")
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{operator}: x must be a tensor or a dict/list/tuple of floating-point tensors; "
+                f"found a leaf of type {type(leaf).__name__}"
+                + (f" and dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else "")
+            )
+    if any(leaf.requires_grad for leaf in leaves):
+        return pytree.tree_unflatten([leaf.detach() for leaf in leaves], spec)
+    return x
+
+
+def _batch_tangents(tangents: tuple[Any, ...]) -> Any:
+    if len(tangents) == 1:
+        return pytree.tree_map(lambda t: t.detach().unsqueeze(0), tangents[0])
+    return pytree.tree_map(lambda *ts: torch.stack([t.detach() for t in ts]), tangents[0], *tangents[1:])
+
+
+def unbatch(tree: Any, count: int) -> tuple[Any, ...]:
+    """Split a pytree whose leaves have a leading batch dimension into ``count`` pytrees."""
+    leaves, spec = pytree.tree_flatten(tree)
+    columns = [leaf.unbind(0) for leaf in leaves]
+    return tuple(pytree.tree_unflatten([column[i] for column in columns], spec) for i in range(count))
+
+
+def _check_tangents(tangents: Any, like: TreeMeta, like_name: str, operator: str, name: str) -> None:
+    if not isinstance(tangents, tuple):
+        raise TypeError(
+            f"{operator}: {name} must be a tuple of tangents, one entry per tangent (e.g. ({name[1:]}1,)), "
+            f"got {type(tangents).__name__}"
+        )
+    if not tangents:
+        raise ValueError(f"{operator}: {name} must hold at least one tangent, got an empty tuple")
+    for i, tangent in enumerate(tangents):
+        leaves, spec = pytree.tree_flatten(tangent)
+        if any(not isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise TypeError(f"{operator}: {name}[{i}] must be made of tensors, got {tangent!r}")
+        got = (spec, tuple(leaf.shape for leaf in leaves), tuple(leaf.dtype for leaf in leaves))
+        if got != (like.spec, like.shapes, like.dtypes):
+            raise ValueError(
+                f"{operator}: {name}[{i}] must have the structure, shapes and dtypes of {like_name} "
+                f"(shapes {[tuple(s) for s in like.shapes]}, dtypes {list(like.dtypes)}), "
+                f"got shapes {[tuple(s) for s in got[1]]}, dtypes {list(got[2])}"
+            )
+
+
+def _argument_names(tangent_name: str | None, n_contexts: int) -> tuple[str, ...]:
+    names = ["x"] + ([tangent_name] if tangent_name else [])
+    return (*names, *(f"context {i + 1}" for i in range(n_contexts)))
+
+
+def _received(x: Any, tangents: Any, values: tuple[Any, ...], mask: tuple[bool, ...], keep_static: bool) -> tuple[Any, ...]:
+    head = (describe(x, keep_static),) if tangents is None else (describe(x, keep_static), describe(tangents))
+    return head + describe_contexts(values, mask, keep_static)
+
+
+def prepare_operator(
+    family: str,
+    operator: str,
+    f: Callable[..., Any],
+    backend: Backend,
+    x: Any,
+    tangents: tuple[Any, ...] | None,
+    contexts: Sequence[Any],
+    strict: bool,
+) -> Prep:
+    """Validate the arguments, build the runner for ``backend`` and compile it if needed."""
+    from torchdi.engines import engine_for
+
+    if not callable(f):
+        raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
+    _check_backend(backend, operator)
+    require_available(backend)
+    tangent_name = {"x": "tx", "y": "ty", None: None}[TANGENTS_LIKE[family]]
+    values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
+    x_run = _canonical_x(x, family, operator)
+    bound = bind_contexts(f, mask)
+    with torch.no_grad():
+        y = bound(x_run, values)
+    y_leaves = pytree.tree_leaves(y)
+    if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
+        raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
+    if family in SCALAR_Y or family in ("jacobian", "derivative", "second_derivative"):
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
+    if family in SCALAR_Y and y.numel() != 1:
+        raise ValueError(
+            f"{operator}: f must return a scalar (one-element) tensor, got shape {tuple(y.shape)}; "
+            "use jacobian or pullback for non-scalar outputs"
+        )
+    if not all(leaf.is_floating_point() or leaf.is_complex() for leaf in y_leaves):
+        raise TypeError(f"{operator}: f must return floating-point tensors, got dtypes {[leaf.dtype for leaf in y_leaves]}")
+    x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
+    n_tangents = 0
+    if tangent_name is not None:
+        like, like_name = (x_meta, "x") if TANGENTS_LIKE[family] == "x" else (y_meta, "f(x)")
+        _check_tangents(tangents, like, like_name, operator, tangent_name)
+        n_tangents = len(tangents)  # type: ignore[arg-type]
+    elif tangents is not None:
+        raise TypeError(f"{operator} takes no tangents")
+    del y, y_leaves
+    spec = Spec(x_meta, y_meta, n_tangents)
+    runner = build_runner(backend, family, bound, spec)
+    engine = engine_for(backend)
+    warm_up = getattr(runner, "warm_up", None)
+    if warm_up is not None:
+        warm_up(x_run, None if tangents is None else _batch_tangents(tangents), values)
+    expected = _received(x, tangents, values, mask, engine.keeps_static)
+    output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
+    return Prep(
+        family,
+        f,
+        backend,
+        expected,
+        _argument_names(tangent_name, len(values)),
+        runner,
+        strict,
+        engine.keeps_static,
+        output_shape,
+    )
+
+
+def run_operator(
+    family: str,
+    operator: str,
+    f: Callable[..., Any],
+    backend: Backend,
+    x: Any,
+    tangents: tuple[Any, ...] | None,
+    contexts: Sequence[Any],
+    prep: Prep | None,
+) -> tuple[Any, ...]:
+    """Run ``family`` through ``prep`` (prepared on the spot when ``None``): the full result."""
+    if prep is None:
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False)
+        values = tuple(c.value for c in contexts)
+    else:
+        if not isinstance(prep, Prep):
+            raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
+        values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        if prep.strict:
+            prep.check(family, f, backend, _received(x, tangents, values, mask, prep.keep_static))
+    x_run = _canonical_x(x, family, operator)
+    batched = None if tangents is None else _batch_tangents(tangents)
+    with torch.no_grad():
+        return prep.runner(x_run, batched, values)
+
+
+def write_out(result: Any, out: Any, operator: str) -> Any:
+    """Copy ``result`` into the user's ``out=`` buffers (when given) and return what to hand back."""
+    if out is None:
+        return result
+    try:
+        with torch.no_grad():
+            return copyto_(out, result)
+    except ValueError as error:
+        raise ValueError(f"{operator}: out= must have the structure and shapes of the result: {error}") from None
+
+
+def replace_spec(spec: Spec, **changes: Any) -> Spec:
+    """``spec`` with some fields changed (for runners built on top of other runners)."""
+    return replace(spec, **changes)

@@ -1,0 +1,72 @@
+"""Derivative ``dy/dx`` of ``f`` at a scalar ``x``; generic fallback from a pushforward of 1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchdi.backends import Backend
+from torchdi.contexts import Context
+from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, write_out
+from torchdi.prep import Prep
+
+__all__ = ["derivative", "prepare_derivative", "value_and_derivative"]
+
+
+def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+    """Prepare ``derivative`` and ``value_and_derivative`` of ``f`` at the scalar ``x``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a Python number or a 0-d tensor (Python numbers become tensors of the default dtype).
+        *contexts: ``Constant``/``Cache`` arguments.
+        strict: check on every call that the arguments match this preparation.
+    """
+    return prepare_operator("derivative", "prepare_derivative", f, backend, x, None, contexts, strict)
+
+
+def value_and_derivative(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> tuple[Any, Any]:
+    """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
+    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep)
+    return y, write_out(dy, out, "value_and_derivative")
+
+
+def derivative(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> Any:
+    """The derivative ``dy/dx`` of ``f`` at the scalar ``x``, shaped like ``f(x)``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a Python number or a 0-d tensor.
+        *contexts: ``Constant``/``Cache`` arguments.
+        prep: the result of ``prepare_derivative``.
+        out: optional preallocated result buffer.
+
+    Example::
+
+        >>> torchdi.derivative(lambda t: torch.stack([t, t**2]), torchdi.AutoAutograd(), 3.0)
+        tensor([1., 6.])
+    """
+    _, dy = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep)
+    return write_out(dy, out, "derivative")
+
+
+def derivative_from_pushforward(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Generic derivative: the pushforward of the tangent 1."""
+    pushforward = build_runner(backend, "pushforward", f, replace_spec(spec, n_tangents=1))
+
+    def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        y, dy = pushforward(x, torch.ones((1,), dtype=x.dtype, device=x.device), contexts)
+        return y, dy[0]
+
+    return run
+
+
+FALLBACKS["derivative"] = derivative_from_pushforward

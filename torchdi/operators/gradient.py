@@ -1,0 +1,101 @@
+"""Gradient of a scalar-valued ``f``; generic fallback from a pullback of 1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import Backend
+from torchdi.contexts import Context
+from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, write_out
+from torchdi.prep import Prep
+
+__all__ = ["gradient", "prepare_gradient", "value_and_gradient"]
+
+
+def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+    """Prepare ``gradient`` and ``value_and_gradient`` of ``f`` at ``x``.
+
+    The expensive part (tracing, compilation, buffer allocation) happens here, once; the
+    ``Prep`` then serves any ``x`` and contexts of the same structure, shapes, dtypes and devices.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y`` with a one-element output.
+        backend: a torchdi backend.
+        x: a tensor or pytree (dict/list/tuple) of tensors.
+        *contexts: ``Constant``/``Cache`` arguments.
+        strict: check on every call that the arguments match this preparation.
+
+    Returns:
+        A ``Prep`` to pass as ``prep=``.
+
+    Example::
+
+        >>> prep = torchdi.prepare_gradient(f, backend, x, torchdi.Constant(batch))
+        >>> for batch in loader:
+        ...     g = torchdi.gradient(f, backend, x, torchdi.Constant(batch), prep=prep)
+    """
+    return prepare_operator("gradient", "prepare_gradient", f, backend, x, None, contexts, strict)
+
+
+def value_and_gradient(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> tuple[torch.Tensor, Any]:
+    """``(f(x), gradient)`` (value first, as in DifferentiationInterface.jl and JAX).
+
+    ``out=`` receives the gradient (same structure as ``x``).
+
+    Example::
+
+        >>> torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2))
+        (tensor(2.), tensor([2., 2.]))
+    """
+    y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep)
+    return y, write_out(grad, out, "value_and_gradient")
+
+
+def gradient(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> Any:
+    """The gradient of the scalar ``f(x, *contexts)`` with respect to ``x``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y`` with a one-element output.
+        backend: a torchdi backend.
+        x: a tensor or pytree (dict/list/tuple) of tensors.
+        *contexts: ``Constant``/``Cache`` arguments.
+        prep: the result of ``prepare_gradient`` (prepared on the spot when ``None``).
+        out: optional preallocated buffers shaped like ``x`` (e.g. parameters' ``.grad``).
+
+    Returns:
+        The gradient, with the structure of ``x`` (``out`` when given).
+
+    Raises:
+        ValueError: when ``f`` does not return a one-element tensor.
+
+    Example::
+
+        >>> torchdi.gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.tensor([1., 2.]))
+        tensor([2., 4.])
+    """
+    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep)
+    return write_out(grad, out, "gradient")
+
+
+def gradient_from_pullback(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Generic gradient: the pullback of the cotangent 1."""
+    pullback = build_runner(backend, "pullback", f, replace_spec(spec, n_tangents=1))
+    y_shape, y_dtype = spec.y.shapes[0], spec.y.dtypes[0]
+
+    def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        device = pytree.tree_leaves(x)[0].device
+        y, dx = pullback(x, torch.ones((1, *y_shape), dtype=y_dtype, device=device), contexts)
+        return y, pytree.tree_map(lambda t: t[0], dx)
+
+    return run
+
+
+FALLBACKS["gradient"] = gradient_from_pullback

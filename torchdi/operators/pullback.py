@@ -1,0 +1,89 @@
+"""Pullback (VJP): ``dx = J(x)^T @ dy`` for each cotangent ``dy``; generic fallback from pushforwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchdi.backends import Backend
+from torchdi.contexts import Context
+from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, unbatch
+from torchdi.prep import Prep
+from torchdi.translate import ravel
+
+__all__ = ["prepare_pullback", "pullback", "value_and_pullback"]
+
+
+def prepare_pullback(
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+) -> Prep:
+    """Prepare ``pullback`` and ``value_and_pullback`` of ``f`` at ``x`` for the cotangents ``ty``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a tensor or pytree of tensors.
+        ty: tuple of cotangents, each shaped like ``f(x)``.
+        *contexts: ``Constant``/``Cache`` arguments.
+        strict: check on every call that the arguments match this preparation.
+
+    Returns:
+        A ``Prep`` to pass as ``prep=``.
+    """
+    return prepare_operator("pullback", "prepare_pullback", f, backend, x, ty, contexts, strict)
+
+
+def value_and_pullback(
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+) -> tuple[Any, tuple[Any, ...]]:
+    """``(f(x), (J^T dy1, J^T dy2, ...))``: the value and one vector-Jacobian product per cotangent.
+
+    Example::
+
+        >>> y, (dx,) = torchdi.value_and_pullback(torch.sin, torchdi.AutoFunc(), torch.zeros(2), (torch.ones(2),))
+        >>> dx
+        tensor([1., 1.])
+    """
+    y, dx = run_operator("pullback", "value_and_pullback", f, backend, x, ty, contexts, prep)
+    return y, unbatch(dx, len(ty))
+
+
+def pullback(
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+) -> tuple[Any, ...]:
+    """The vector-Jacobian products ``(J^T dy1, ...)`` of ``f`` at ``x``, one per cotangent in ``ty``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a tensor or pytree of tensors.
+        ty: tuple of cotangents, each shaped like ``f(x)``.
+        *contexts: ``Constant``/``Cache`` arguments.
+        prep: the result of ``prepare_pullback`` (prepared on the spot when ``None``).
+
+    Returns:
+        A tuple with one ``dx`` (shaped like ``x``) per cotangent.
+    """
+    _, dx = run_operator("pullback", "pullback", f, backend, x, ty, contexts, prep)
+    return unbatch(dx, len(ty))
+
+
+def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Generic pullback: the Jacobian's columns from pushforwards of the input basis."""
+    n = spec.x.numel
+    pushforward = build_runner(backend, "pushforward", f, replace_spec(spec, n_tangents=n))
+
+    def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        y, columns = pushforward(x, spec.x.basis(x), contexts)  # each column: dy for one basis dx
+        jac_t = torch.stack([ravel(column)[0] for column in unbatch(columns, n)])  # (n, m)
+        flat_ty = torch.stack([ravel(t)[0] for t in unbatch(ty, spec.n_tangents)])  # (k, m)
+        _, unravel_x = ravel(x)
+        dx = unravel_x((flat_ty.to(jac_t.dtype) @ jac_t.T))  # (k, n) -> x layout with batch dim
+        return y, dx
+
+    return run
+
+
+FALLBACKS["pullback"] = pullback_from_pushforwards

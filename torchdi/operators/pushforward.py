@@ -1,0 +1,98 @@
+"""Pushforward (JVP): ``dy = J(x) @ dx`` for each tangent ``dx``; generic fallback from pullbacks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import Backend
+from torchdi.contexts import Context
+from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, unbatch
+from torchdi.prep import Prep
+from torchdi.translate import ravel
+
+__all__ = ["prepare_pushforward", "pushforward", "value_and_pushforward"]
+
+
+def prepare_pushforward(
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+) -> Prep:
+    """Prepare ``pushforward`` and ``value_and_pushforward`` of ``f`` at ``x`` for the tangents ``tx``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a tensor or pytree of tensors.
+        tx: tuple of tangents, each shaped like ``x``.
+        *contexts: ``Constant``/``Cache`` arguments passed to ``f`` after ``x``.
+        strict: check on every call that the arguments match this preparation.
+
+    Returns:
+        A ``Prep`` to pass as ``prep=``.
+    """
+    return prepare_operator("pushforward", "prepare_pushforward", f, backend, x, tx, contexts, strict)
+
+
+def value_and_pushforward(
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+) -> tuple[Any, tuple[Any, ...]]:
+    """``(f(x), (J dx1, J dx2, ...))``: the value and one Jacobian-vector product per tangent.
+
+    Example::
+
+        >>> y, (dy,) = torchdi.value_and_pushforward(torch.sin, torchdi.AutoFunc(), torch.zeros(2), (torch.ones(2),))
+        >>> dy
+        tensor([1., 1.])
+    """
+    y, dy = run_operator("pushforward", "value_and_pushforward", f, backend, x, tx, contexts, prep)
+    return y, unbatch(dy, len(tx))
+
+
+def pushforward(
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+) -> tuple[Any, ...]:
+    """The Jacobian-vector products ``(J dx1, J dx2, ...)`` of ``f`` at ``x``, one per tangent in ``tx``.
+
+    Args:
+        f: the function ``f(x, *contexts) -> y``.
+        backend: a torchdi backend.
+        x: a tensor or pytree of tensors.
+        tx: tuple of tangents, each shaped like ``x``.
+        *contexts: ``Constant``/``Cache`` arguments.
+        prep: the result of ``prepare_pushforward`` (prepared on the spot when ``None``).
+
+    Returns:
+        A tuple with one ``dy`` (shaped like ``f(x)``) per tangent.
+    """
+    _, dy = run_operator("pushforward", "pushforward", f, backend, x, tx, contexts, prep)
+    return unbatch(dy, len(tx))
+
+
+def pushforward_from_pullbacks(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Generic pushforward: the Jacobian's rows from pullbacks of the output basis."""
+    if not spec.y.is_tensor:
+        from torchdi.errors import UnsupportedOperatorError
+
+        raise UnsupportedOperatorError(f"{backend!r} has no forward mode and f returns a pytree; use AutoFunc() or AutoAutograd()")
+    pullback = build_runner(backend, "pullback", f, replace_spec(spec, n_tangents=spec.y.numel))
+
+    def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        y, rows = pullback(x, _output_basis(spec, x), contexts)
+        jac = torch.stack([ravel(row)[0] for row in unbatch(rows, spec.y.numel)])  # (m, n)
+        flat_tx = torch.stack([ravel(t)[0] for t in unbatch(tx, spec.n_tangents)])  # (k, n)
+        dy = (flat_tx @ jac.T).reshape(spec.n_tangents, *spec.y.shapes[0])
+        return y, dy
+
+    return run
+
+
+def _output_basis(spec: Spec, x: Any) -> Any:
+    leaf = pytree.tree_leaves(x)[0]
+    m = spec.y.numel
+    return torch.eye(m, dtype=spec.y.dtypes[0], device=leaf.device).reshape(m, *spec.y.shapes[0])
+
+
+FALLBACKS["pushforward"] = pushforward_from_pullbacks

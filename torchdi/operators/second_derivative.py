@@ -1,0 +1,65 @@
+"""Second derivative ``d2y/dx2`` at a scalar ``x``; generic fallback: outer derivative of inner derivative."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchdi.backends import Backend
+from torchdi.contexts import Context
+from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, TreeMeta, build_runner, outer_inner, prepare_operator, replace_spec, run_operator, write_out
+from torchdi.prep import Prep
+
+__all__ = ["prepare_second_derivative", "second_derivative", "value_derivative_and_second_derivative"]
+
+
+def prepare_second_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+    """Prepare ``second_derivative`` and ``value_derivative_and_second_derivative`` at the scalar ``x``."""
+    return prepare_operator("second_derivative", "prepare_second_derivative", f, backend, x, None, contexts, strict)
+
+
+def value_derivative_and_second_derivative(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> tuple[Any, Any, Any]:
+    """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative."""
+    y, dy, d2y = run_operator(
+        "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep
+    )
+    return y, dy, write_out(d2y, out, "value_derivative_and_second_derivative")
+
+
+def second_derivative(
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+) -> Any:
+    """The second derivative ``d2y/dx2`` of ``f`` at the scalar ``x``, shaped like ``f(x)``.
+
+    Example::
+
+        >>> torchdi.second_derivative(lambda t: t**3, torchdi.AutoFunc(), 2.0)
+        tensor(12.)
+    """
+    _, _, d2y = run_operator("second_derivative", "second_derivative", f, backend, x, None, contexts, prep)
+    return write_out(d2y, out, "second_derivative")
+
+
+def second_derivative_from_derivatives(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Generic second derivative: ``outer``'s pushforward of the tangent 1 through ``inner``'s derivative."""
+    outer, inner = outer_inner(backend)
+    inner_derivative = build_runner(inner, "derivative", f, spec)
+
+    def value_and_derivative(x: Any, contexts: tuple[Any, ...]) -> Any:
+        return inner_derivative(x, None, contexts)
+
+    y_meta = TreeMeta.of((torch.empty(spec.y.shapes[0], dtype=spec.y.dtypes[0]),) * 2)
+    pushforward = build_runner(outer, "pushforward", value_and_derivative, replace_spec(spec, y=y_meta, n_tangents=1))
+
+    def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        (y, dy), (_, d2y) = pushforward(x, torch.ones((1,), dtype=x.dtype, device=x.device), contexts)
+        return y, dy, d2y[0]
+
+    return run
+
+
+FALLBACKS["second_derivative"] = second_derivative_from_derivatives

@@ -1,0 +1,235 @@
+"""Preparations: what ``prepare_*`` builds once, and the strict check that guards its reuse.
+
+A ``Prep`` holds compiled or built callables and *signatures* of the arguments it was prepared
+with: structure, type, shape, dtype and device of every leaf, never the values themselves.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
+
+_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device)
+
+
+class PreparationMismatchError(ValueError):
+    """A ``Prep`` was used with arguments it was not prepared for.
+
+    The message has one line per argument (``ok`` or ``mismatch`` with expected and received).
+    """
+
+
+def _static_key(obj: Any) -> Any:
+    """How a static leaf is compared across calls without keeping the user's object alive."""
+    if isinstance(obj, _IMMUTABLE_STATIC):
+        return obj
+    try:
+        return weakref.ref(obj)  # equal while both referents are alive and compare equal
+    except TypeError:
+        return obj
+
+
+def describe(obj: Any, keep_static: bool = False) -> Any:
+    """A hashable description of ``obj`` that is equal across calls iff a ``Prep`` may be reused.
+
+    Tensors are described by type, shape, dtype and device; numpy arrays by shape and dtype;
+    Python/numpy scalars by type (their values are free to change); containers by type, keys and
+    the descriptions of their items. Other leaves are static: with ``keep_static`` their value
+    (by equality; by weak reference for mutable objects) is part of the description, since a
+    compiled program bakes it in.
+
+    Example::
+
+        >>> describe(torch.ones(2)) == describe(torch.zeros(2))
+        True
+    """
+    if isinstance(obj, torch.Tensor):
+        return (type(obj), obj.shape, obj.dtype, obj.device)
+    kind = type(obj)
+    if kind is dict:
+        return (dict, tuple((key, describe(value, keep_static)) for key, value in obj.items()))
+    if kind is tuple or kind is list or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        return (kind, tuple(describe(item, keep_static) for item in obj))
+    if isinstance(obj, (float, complex, np.generic)) and not isinstance(obj, (bool, np.bool_)):
+        return (kind,)
+    if isinstance(obj, np.ndarray):
+        return (np.ndarray, obj.shape, obj.dtype)
+    if keep_static:
+        return (kind, _static_key(obj))
+    return (kind,)
+
+
+def describe_contexts(values: tuple[Any, ...], cache_mask: tuple[bool, ...], keep_static: bool) -> tuple[Any, ...]:
+    """One description per context: its wrapper (Constant/Cache) and its value's description."""
+    return tuple(
+        ("Cache" if is_cache else "Constant", describe(value, keep_static))
+        for value, is_cache in zip(values, cache_mask)
+    )
+
+
+def format_description(desc: Any) -> str:
+    """A readable rendering of a ``describe`` result."""
+    kind = desc[0]
+    if isinstance(kind, type) and issubclass(kind, torch.Tensor):
+        _, shape, dtype, device = desc
+        return f"{kind.__name__}(shape={tuple(shape)}, dtype={dtype}, device={device})"
+    if kind is dict:
+        return "dict{" + ", ".join(f"{key!r}: {format_description(d)}" for key, d in desc[1]) + "}"
+    if isinstance(kind, type) and issubclass(kind, (tuple, list)) and len(desc) == 2 and isinstance(desc[1], tuple):
+        inner = ", ".join(format_description(d) for d in desc[1])
+        return f"{kind.__name__}({inner})" if kind not in (tuple, list) else ("[" + inner + "]" if kind is list else "(" + inner + ")")
+    if kind is np.ndarray:
+        return f"ndarray(shape={desc[1]}, dtype={desc[2]})"
+    if kind in ("Constant", "Cache"):
+        return f"{kind}({format_description(desc[1])})"
+    name = kind.__name__ if isinstance(kind, type) else str(kind)
+    if len(desc) == 2:
+        value = desc[1]
+        if isinstance(value, weakref.ref):
+            target = value()
+            value = "<dead object>" if target is None else f"<{type(target).__name__} at {id(target):#x}>"
+        return f"{name}(static value {value!r})"
+    return f"{name}(any value)"
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Prep:
+    """The result of ``prepare_<operator>``: reusable while the arguments keep their signatures.
+
+    A ``Prep`` may be reused while ``f`` and ``backend`` are the same and ``x``, the tangents
+    and each context keep their pytree structure, type, shape, dtype and device; values may
+    change freely. It keeps no reference to the user's ``x``, tangents or context values.
+    A ``Prep`` is not thread-safe: use one per thread.
+
+    Attributes:
+        operator: the operator family it serves (``"gradient"`` serves ``gradient`` and
+            ``value_and_gradient``).
+        backend: the backend it was prepared for.
+        strict: whether each call checks the arguments' signatures.
+        num_compilations: how many times a compiler was invoked for this preparation
+            (0 for eager backends); it does not grow over calls that satisfy the rules.
+        output_shape: shape of ``f(x, ...)`` at preparation (``None`` for pytree outputs).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_expected",
+        "_names",
+        "backend",
+        "f",
+        "keep_static",
+        "operator",
+        "output_shape",
+        "runner",
+        "strict",
+    )
+
+    def __init__(
+        self,
+        operator: str,
+        f: Callable[..., Any],
+        backend: Any,
+        expected: tuple[Any, ...],
+        names: tuple[str, ...],
+        runner: Callable[..., Any],
+        strict: bool,
+        keep_static: bool,
+        output_shape: torch.Size | None,
+    ) -> None:
+        self.operator = operator
+        self.f = f
+        self.backend = backend
+        self._expected = expected
+        self._names = names
+        self.runner = runner
+        self.strict = strict
+        self.keep_static = keep_static
+        self.output_shape = output_shape
+
+    @property
+    def num_compilations(self) -> int:
+        return int(getattr(self.runner, "num_compilations", 0))
+
+    def __repr__(self) -> str:
+        return (
+            f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
+            f"num_compilations={self.num_compilations})"
+        )
+
+    def check(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> None:
+        """Raise ``PreparationMismatchError`` unless the call matches the preparation.
+
+        ``received`` holds the descriptions of ``x``, the tangents and the contexts, in the
+        order of the names given at preparation.
+        """
+        if (
+            received == self._expected
+            and operator == self.operator
+            and (f is self.f or f == self.f)
+            and backend == self.backend
+        ):
+            return
+        lines = [f"prep (prepared for {self.operator!r}, backend {self.backend!r}) cannot serve this call:"]
+        lines.append(
+            f"  operator: {'ok' if operator == self.operator else f'mismatch: expected {self.operator!r}, received {operator!r}'}"
+        )
+        same_f = f is self.f or f == self.f
+        lines.append(
+            "  f: " + ("ok" if same_f else f"mismatch: expected {self.f!r}, received {f!r} (prepare again for a new function)")
+        )
+        lines.append("  backend: " + ("ok" if backend == self.backend else f"mismatch: expected {self.backend!r}, received {backend!r}"))
+        if len(received) != len(self._expected):
+            lines.append(
+                f"  arguments: mismatch: prepared with {len(self._expected)} ({', '.join(self._names)}), "
+                f"received {len(received)}"
+            )
+        for i, name in enumerate(self._names):
+            if i >= len(received):
+                lines.append(f"  {name}: mismatch: expected {_shorten(format_description(self._expected[i]))}, received nothing")
+                continue
+            if received[i] == self._expected[i]:
+                lines.append(f"  {name}: ok")
+            else:
+                lines.append(
+                    f"  {name}: mismatch: expected {_shorten(format_description(self._expected[i]))}, "
+                    f"received {_shorten(format_description(received[i]))}{_hint(self._expected[i], received[i])}"
+                )
+        for j in range(len(self._names), len(received)):
+            lines.append(f"  context {j - len(self._names) + 1}: mismatch: not present at preparation")
+        raise PreparationMismatchError("\n".join(lines))
+
+
+def _hint(expected: Any, received: Any) -> str:
+    """Say which dimension changed when only a tensor's shape differs (e.g. a last batch)."""
+    e_kind, r_kind = expected[0], received[0]
+    if e_kind in ("Constant", "Cache") and r_kind == e_kind:
+        return _hint(expected[1], received[1])
+    if e_kind is dict and r_kind is dict:
+        for (ek, ed), (rk, rd) in zip(expected[1], received[1]):
+            if ek == rk and ed != rd:
+                hint = _hint(ed, rd)
+                return f" (in key {ek!r}){hint}" if hint else f" (first difference in key {ek!r})"
+        return ""
+    if not (isinstance(e_kind, type) and issubclass(e_kind, torch.Tensor) and e_kind is r_kind):
+        return ""
+    _, e_shape, e_dtype, e_device = expected
+    _, r_shape, r_dtype, r_device = received
+    if len(e_shape) == len(r_shape) and e_dtype == r_dtype and e_device == r_device:
+        dims = [d for d in range(len(e_shape)) if e_shape[d] != r_shape[d]]
+        changes = ", ".join(f"dim {d}: {e_shape[d]} -> {r_shape[d]}" for d in dims)
+        advice = (
+            " — a smaller last batch? use drop_last=True in the DataLoader, or prepare a second Prep for that shape"
+            if dims == [0]
+            else " — prepare again for the new shape"
+        )
+        return f" [shape changed at {changes}{advice}]"
+    return ""

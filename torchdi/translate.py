@@ -1,0 +1,194 @@
+"""The translation hook (what a compiled program traces) and pytree-aware buffer helpers."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "copyfrom",
+    "copyto_",
+    "ravel",
+    "to_device_tensor",
+    "tree_leaves",
+    "unravel",
+]
+
+Device = torch.device | str | None
+
+
+@functools.singledispatch
+def to_device_tensor(obj: Any, device: Device) -> Any:
+    """Turn one input or context leaf into what a compiled program takes as a traced input.
+
+    This is the one place that decides traced vs static:
+
+    - tensors go to ``device`` (no copy when already there);
+    - numpy arrays and numpy scalars become tensors;
+    - Python ``float``/``complex`` become 0-d tensors (traced: a new value does not recompile);
+    - Python ``int``, ``bool``, ``str``, ``None`` and unknown objects stay as they are (static:
+      partially evaluated into the program, as sizes and bounds should be);
+    - tuples, lists, dicts and namedtuples are walked.
+
+    Register your own types with ``@torchdi.to_device_tensor.register(MyType)``.
+
+    Args:
+        obj: the leaf or container to translate.
+        device: the device traced tensors must live on (``None``: leave tensors where they are,
+            put new ones on the CPU).
+
+    Returns:
+        The translated object.
+
+    Example::
+
+        >>> torchdi.to_device_tensor({"lr": 0.1, "steps": 3}, "cpu")
+        {'lr': tensor(0.1000, dtype=torch.float64), 'steps': 3}
+    """
+    return obj
+
+
+@to_device_tensor.register(torch.Tensor)
+def _(obj: torch.Tensor, device: Device) -> torch.Tensor:
+    return obj if device is None else obj.to(device)
+
+
+@to_device_tensor.register(np.ndarray)
+def _(obj: np.ndarray, device: Device) -> torch.Tensor:
+    return torch.as_tensor(obj, device=device)
+
+
+@to_device_tensor.register(np.generic)
+def _(obj: np.generic, device: Device) -> torch.Tensor:
+    return torch.as_tensor(obj, device=device)
+
+
+@to_device_tensor.register(float)
+def _(obj: float, device: Device) -> torch.Tensor:
+    return torch.tensor(obj, dtype=torch.float64, device=device)
+
+
+@to_device_tensor.register(complex)
+def _(obj: complex, device: Device) -> torch.Tensor:
+    return torch.tensor(obj, dtype=torch.complex128, device=device)
+
+
+@to_device_tensor.register(bool)
+@to_device_tensor.register(int)
+@to_device_tensor.register(str)
+@to_device_tensor.register(type(None))
+def _(obj: Any, device: Device) -> Any:
+    return obj
+
+
+@to_device_tensor.register(tuple)
+def _(obj: tuple, device: Device) -> tuple:
+    items = [to_device_tensor(item, device) for item in obj]
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+
+
+@to_device_tensor.register(list)
+def _(obj: list, device: Device) -> list:
+    return [to_device_tensor(item, device) for item in obj]
+
+
+@to_device_tensor.register(dict)
+def _(obj: dict, device: Device) -> dict:
+    translated = {key: to_device_tensor(value, device) for key, value in obj.items()}
+    return translated if type(obj) is dict else type(obj)(translated)
+
+
+def _flatten_pair(dst: Any, src: Any, what: str) -> tuple[list[Any], list[Any]]:
+    dst_leaves, dst_spec = pytree.tree_flatten(dst)
+    src_leaves, src_spec = pytree.tree_flatten(src)
+    if dst_spec != src_spec:
+        raise ValueError(f"{what}: structure mismatch: destination is {dst_spec}, source is {src_spec}")
+    return dst_leaves, src_leaves
+
+
+def copyto_(dst: Any, src: Any) -> Any:
+    """Copy ``src`` into the preallocated ``dst`` in place, leaf by leaf (across devices).
+
+    Args:
+        dst: a tensor or pytree of tensors to overwrite.
+        src: a tensor or pytree of the same structure and shapes (tensors, numpy arrays or scalars).
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        ValueError: on a structure or shape mismatch, or a non-tensor leaf in ``dst`` that
+            differs from ``src``.
+
+    Example::
+
+        >>> buf = torch.empty(3)
+        >>> torchdi.copyto_(buf, torch.ones(3))
+        tensor([1., 1., 1.])
+    """
+    dst_leaves, src_leaves = _flatten_pair(dst, src, "copyto_")
+    for i, (d, s) in enumerate(zip(dst_leaves, src_leaves)):
+        if isinstance(d, torch.Tensor):
+            if not isinstance(s, torch.Tensor):
+                s = torch.as_tensor(s)
+            if d.shape != s.shape:
+                raise ValueError(
+                    f"copyto_: shape mismatch at leaf {i}: destination {tuple(d.shape)}, source {tuple(s.shape)}"
+                )
+            d.copy_(s)
+        elif d is not s and d != s:
+            raise ValueError(
+                f"copyto_: leaf {i} of the destination is not a tensor ({type(d).__name__}) and differs "
+                "from the source: it cannot be overwritten in place"
+            )
+    return dst
+
+
+def copyfrom(src: Any, out: Any = None) -> Any:
+    """Bring a device result back: to host memory, or into ``out`` in place.
+
+    Args:
+        src: a tensor or pytree of tensors, on any device.
+        out: optional preallocated destination of the same structure.
+
+    Returns:
+        ``out`` after copying, or host (CPU) tensors when ``out`` is ``None``.
+
+    Example::
+
+        >>> torchdi.copyfrom(torch.ones(2))
+        tensor([1., 1.])
+    """
+    if out is not None:
+        return copyto_(out, src)
+    return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, src)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a pytree, in ``torch.utils._pytree`` order."""
+    return pytree.tree_leaves(tree)
+
+
+def ravel(tree: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """Flatten a tensor pytree into one vector; returns it and the inverse (``unravel``)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    shapes = [leaf.shape for leaf in leaves]
+    sizes = [leaf.numel() for leaf in leaves]
+    flat = torch.cat([leaf.reshape(-1) for leaf in leaves]) if len(leaves) != 1 else leaves[0].reshape(-1)
+
+    def inverse(vector: torch.Tensor) -> Any:
+        return unravel(vector, spec, shapes, sizes)
+
+    return flat, inverse
+
+
+def unravel(vector: torch.Tensor, spec: pytree.TreeSpec, shapes: list[torch.Size], sizes: list[int]) -> Any:
+    """Split a (possibly batched, batch dims first) vector back into a pytree of ``shapes``."""
+    batch = vector.shape[:-1]
+    pieces = torch.split(vector, sizes, dim=-1)
+    return pytree.tree_unflatten([p.reshape(*batch, *s) for p, s in zip(pieces, shapes)], spec)
