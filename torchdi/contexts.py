@@ -98,4 +98,5 @@ def bind_contexts(f: Callable[..., Any], cache_mask: tuple[bool, ...]) -> Callab
         def call(x: Any, context_values: tuple[Any, ...]) -> Any:
             args = [fresh_scratch(v) if is_cache else v for v, is_cache in zip(context_values, cache_mask)]
             return f(x, *args)
+    call.function_name = getattr(f, "__qualname__", None) or repr(f)  # type: ignore[attr-defined]
     return call

@@ -129,6 +129,7 @@ class Prep:
         "keep_static",
         "operator",
         "output_shape",
+        "call",
         "runner",
         "strict",
     )
@@ -151,6 +152,8 @@ class Prep:
         self._expected = expected
         self._names = names
         self.runner = runner
+        # A call whose signature was checked may take the runner's faster path, if it has one.
+        self.call = getattr(runner, "checked_call", runner) if strict else runner
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
@@ -203,8 +206,9 @@ class Prep:
                     f"  {name}: mismatch: expected {_shorten(format_description(self._expected[i]))}, "
                     f"received {_shorten(format_description(received[i]))}{_hint(self._expected[i], received[i])}"
                 )
+        n_head = sum(not name.startswith("context") for name in self._names)  # x and the tangents
         for j in range(len(self._names), len(received)):
-            lines.append(f"  context {j - len(self._names) + 1}: mismatch: not present at preparation")
+            lines.append(f"  context {j - n_head + 1}: mismatch: not present at preparation")
         raise PreparationMismatchError("\n".join(lines))
 
 

@@ -276,7 +276,8 @@ def prepare_operator(
     engine = engine_for(backend)
     warm_up = getattr(runner, "warm_up", None)
     if warm_up is not None:
-        warm_up(x_run, None if tangents is None else _batch_tangents(tangents), values)
+        with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
+                warm_up(x_run, None if tangents is None else _batch_tangents(tangents), values)
     expected = _received(x, tangents, values, mask, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -315,7 +316,7 @@ def run_operator(
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     with torch.no_grad():
-        return prep.runner(x_run, batched, values)
+        return prep.call(x_run, batched, values)
 
 
 def write_out(result: Any, out: Any, operator: str) -> Any:

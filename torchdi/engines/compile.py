@@ -1,0 +1,235 @@
+"""``AutoCompile``: the inner backend's runner, compiled once with ``torch.compile`` at preparation.
+
+What is traced follows one rule: every leaf of ``x``, of the tangents and of the contexts goes
+through ``to_device_tensor``; what comes out as a tensor is a graph input (its value may change
+without recompiling), anything else is static and baked in (dynamo guards on it, and the strict
+check compares it by equality). Contexts are arguments of the compiled function, never closed
+over, so a new float or tensor value never triggers a recompilation.
+
+``num_compilations`` counts the graphs the compiler backend is actually asked to compile for
+this preparation: the compiler is wrapped per runner, so the count is exact and not shared with
+any other code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import AutoCompile
+from torchdi.prep import _IMMUTABLE_STATIC
+from torchdi.translate import to_device_tensor
+
+__all__ = ["CompileEngine", "CompiledRunner"]
+
+logger = logging.getLogger("torchdi")
+
+
+class _CountingCompiler:
+    """A ``torch.compile`` backend that counts what it is asked to compile, then delegates."""
+
+    def __init__(self, owner: CompiledRunner, backend: AutoCompile) -> None:
+        self.owner = owner
+        if backend.compiler == "inductor":
+            self.compiler: Any = torch._TorchCompileInductorWrapper(  # type: ignore[attr-defined]
+                backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
+            )
+        else:
+            self.compiler = torch._TorchCompileWrapper(  # type: ignore[attr-defined]
+                backend.compiler, backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
+            )
+        self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
+        compiled = self.compiler(graph, example_inputs)
+        self.owner.num_compilations += 1
+        self.owner.captured = (_placeholder_sources(graph), compiled)
+        if self.owner.prepared:
+            logger.warning(
+                "torchdi: AutoCompile recompiled %s after preparation (compilation %d): a static "
+                "argument (int, bool, str or object) or the grad mode changed. Prepare again for the "
+                "new value, or make it a traced value (a float or tensor, see to_device_tensor).",
+                self.owner.name,
+                self.owner.num_compilations,
+            )
+        return compiled
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ...: the real compiler's
+        return getattr(self.compiler, name)
+
+
+def _fresh_entry_point(runner: Any) -> Any:
+    """``runner`` behind a function with a code object of its own.
+
+    Dynamo keeps compiled entries per code object: runners built from the same engine code
+    would otherwise share one cache, and each new preparation would count against the others'
+    recompile limit (and evict them once it is hit).
+    """
+    namespace = {"runner": runner}
+    exec(  # a new code object each time; the source is fixed, nothing user-provided
+        "def compiled_runner(x, tangents, contexts):\n    return runner(x, tangents, contexts)\n",
+        namespace,
+    )
+    return namespace["compiled_runner"]
+
+
+def _placeholder_sources(graph: torch.fx.GraphModule) -> list[str] | None:
+    """Where dynamo reads each graph input from, as Python expressions over the frame's locals."""
+    sources = []
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            graph_arg = node.meta.get("grapharg")
+            if graph_arg is None or getattr(graph_arg, "source", None) is None:
+                return None
+            sources.append(graph_arg.source.name)
+    return sources
+
+
+# Graph inputs the direct call may read: items of the runner's own arguments, nothing else
+# (no globals, closure cells or object attributes, which only dynamo's guards watch).
+_ARGUMENT_SOURCE = re.compile(r"L\['(x|tangents|contexts)'\](\[(\d+|'[^'\\]*')\])*")
+
+
+@dataclass(frozen=True)
+class _DirectCall:
+    """The compiled graph with the inputs it reads and the structure of what it returns."""
+
+    compiled: Any
+    inputs: Any
+    output_spec: pytree.TreeSpec
+    global_state: Any
+
+
+def _direct_call(
+    captured: tuple[list[str] | None, Any], result: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]
+) -> _DirectCall | None:
+    """A ``_DirectCall`` when calling the compiled graph without dynamo is sound, else ``None``.
+
+    Sound when every graph input is a tensor item of ``(x, tangents, contexts)`` (the strict
+    check then guarantees their types, shapes, dtypes and devices), no tensor is passed twice
+    (dynamo would have merged the two inputs), every static leaf is an immutable value (the
+    strict check compares it by equality, while a mutable object such as a module may change
+    attributes that dynamo guards on), and the graph returns exactly the result's tensors.
+    """
+    sources, compiled = captured
+    if sources is None or not all(_ARGUMENT_SOURCE.fullmatch(source) for source in sources):
+        return None
+    leaves = pytree.tree_leaves((x, tangents, contexts))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if len({id(t) for t in tensors}) != len(tensors):
+        return None
+    if not all(isinstance(leaf, (torch.Tensor, *_IMMUTABLE_STATIC)) for leaf in leaves):
+        return None
+    result_leaves, output_spec = pytree.tree_flatten(result)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in result_leaves):
+        return None
+    body = ", ".join(source.replace("L['x']", "x").replace("L['tangents']", "tangents").replace("L['contexts']", "contexts") for source in sources)
+    inputs = eval(f"lambda x, tangents, contexts: ({body}{',' if sources else ''})", {})  # validated above
+    try:
+        outputs = compiled(*inputs(x, tangents, contexts))
+    except Exception:
+        return None
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(result_leaves):
+        return None
+    for got, want in zip(outputs, result_leaves):
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
+            return None
+    return _DirectCall(compiled, inputs, output_spec, torch._C._dynamo.guards.GlobalStateGuard())
+
+
+def _needs_translation(tree: Any) -> bool:
+    return any(
+        not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf
+        for leaf in pytree.tree_leaves(tree)
+    )
+
+
+class CompiledRunner:
+    """A runner compiled with ``torch.compile``; compilation happens in ``warm_up`` (preparation).
+
+    Attributes:
+        num_compilations: graphs compiled for this runner so far.
+        name: the user's function, for messages.
+    """
+
+    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str) -> None:
+        self.num_compilations = 0
+        self.prepared = False
+        self.name = f"{family} of {function_name}"
+        self.backend = backend
+        self.translate_contexts = True
+        self.captured: tuple[list[str] | None, Any] | None = None
+        self.direct: _DirectCall | None = None
+        self._compiled = torch.compile(
+            _fresh_entry_point(runner),
+            backend=_CountingCompiler(self, backend),
+            fullgraph=backend.fullgraph,
+            dynamic=backend.dynamic,
+        )
+
+    def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
+        """Compile for these arguments' signatures (called once by ``prepare_*``)."""
+        self.translate_contexts = _needs_translation(contexts)
+        try:
+            result = self(x, tangents, contexts)
+        except torch._dynamo.exc.Unsupported as error:
+            reason = str(error).strip().splitlines()
+            raise RuntimeError(
+                f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
+                f"{self.name} in one graph. Graph break: {' '.join(reason[:6])}\n"
+                "Remove the graph break from the function, or use AutoCompile(fullgraph=False)."
+            ) from error
+        self.prepared = True
+        captured, self.captured = self.captured, None
+        if self.num_compilations == 1 and captured is not None:
+            translated = to_device_tensor(contexts, None) if self.translate_contexts else contexts
+            self.direct = _direct_call(captured, result, x, tangents, translated)
+
+    def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
+        """Run through ``torch.compile``'s entry point: dynamo evaluates its guards first."""
+        if self.translate_contexts:
+            contexts = to_device_tensor(contexts, None)
+        return self._compiled(x, tangents, contexts)
+
+    def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
+        """Run a call whose strict check has passed: the compiled graph directly when sound.
+
+        The strict check already guarantees what dynamo's guards would check of the arguments
+        (structure, types, shapes, dtypes, devices, static values); the global state (grad
+        mode, autocast, default dtype, ...) is checked here. Strides are not in the signature:
+        inductor's compiled code asserts them and a mismatch goes through dynamo instead.
+        """
+        direct = self.direct
+        if direct is None or not direct.global_state.check():
+            return self(x, tangents, contexts)
+        if self.translate_contexts:
+            contexts = to_device_tensor(contexts, None)
+        try:
+            outputs = direct.compiled(*direct.inputs(x, tangents, contexts))
+        except AssertionError:  # inductor's size/stride assertion on an input
+            return self._compiled(x, tangents, contexts)
+        return pytree.tree_unflatten(outputs, direct.output_spec)
+
+
+class CompileEngine:
+    """Builds the inner backend's runner and compiles it."""
+
+    native: ClassVar[frozenset[str]] = frozenset(
+        {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
+    )
+    keeps_static: ClassVar[bool] = True
+
+    def __init__(self, backend: AutoCompile) -> None:
+        self.backend = backend
+
+    def build(self, family: str, f: Any, spec: Any) -> Any:
+        from torchdi.operators._core import build_runner
+
+        inner = build_runner(self.backend.inner, family, f, spec)
+        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
