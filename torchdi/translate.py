@@ -30,7 +30,8 @@ def to_device_tensor(obj: Any, device: Device) -> Any:
 
     - tensors go to ``device`` (no copy when already there);
     - numpy arrays and numpy scalars become tensors;
-    - Python ``float``/``complex`` become 0-d tensors (traced: a new value does not recompile);
+    - Python ``float``/``complex`` become 0-d tensors of the default (complex) dtype (traced: a
+      new value does not recompile);
     - Python ``int``, ``bool``, ``str``, ``None`` and unknown objects stay as they are (static:
       partially evaluated into the program, as sizes and bounds should be);
     - tuples, lists, dicts and namedtuples are walked.
@@ -48,7 +49,7 @@ def to_device_tensor(obj: Any, device: Device) -> Any:
     Example::
 
         >>> torchdi.to_device_tensor({"lr": 0.1, "steps": 3}, "cpu")
-        {'lr': tensor(0.1000, dtype=torch.float64), 'steps': 3}
+        {'lr': tensor(0.1000), 'steps': 3}
     """
     return obj
 
@@ -68,14 +69,17 @@ def _(obj: np.generic, device: Device) -> torch.Tensor:
     return torch.as_tensor(obj, device=device)
 
 
+# Python floats become tensors of the default dtype, as torch.tensor(obj) does: a float64 0-d
+# tensor would promote 0-d float32 operands (scalar functions of scalar x) to float64, unlike
+# the Python float it replaces. Pass a float64 tensor for full precision in float32 programs.
 @to_device_tensor.register(float)
 def _(obj: float, device: Device) -> torch.Tensor:
-    return torch.tensor(obj, dtype=torch.float64, device=device)
+    return torch.tensor(obj, dtype=torch.get_default_dtype(), device=device)
 
 
 @to_device_tensor.register(complex)
 def _(obj: complex, device: Device) -> torch.Tensor:
-    return torch.tensor(obj, dtype=torch.complex128, device=device)
+    return torch.tensor(obj, device=device)
 
 
 @to_device_tensor.register(bool)

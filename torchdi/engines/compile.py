@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.prep import _IMMUTABLE_STATIC
-from torchdi.translate import to_device_tensor
+from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["CompileEngine", "CompiledRunner"]
 
@@ -71,12 +71,18 @@ def _fresh_entry_point(runner: Any) -> Any:
     would otherwise share one cache, and each new preparation would count against the others'
     recompile limit (and evict them once it is hit).
     """
+    global _entry_points
+    _entry_points += 1
+    name = f"torchdi_runner_{_entry_points}"
+    # A unique file name too: dynamo's automatic-dynamic and profile state is keyed by
+    # (file, line, name), and must not leak from one preparation to another.
+    source = f"def {name}(x, tangents, contexts):\n    return runner(x, tangents, contexts)\n"
     namespace = {"runner": runner}
-    exec(  # a new code object each time; the source is fixed, nothing user-provided
-        "def compiled_runner(x, tangents, contexts):\n    return runner(x, tangents, contexts)\n",
-        namespace,
-    )
-    return namespace["compiled_runner"]
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # fixed source, nothing user-provided
+    return namespace[name]
+
+
+_entry_points = 0
 
 
 def _placeholder_sources(graph: torch.fx.GraphModule) -> list[str] | None:
@@ -166,16 +172,28 @@ class CompiledRunner:
         self.translate_contexts = True
         self.captured: tuple[list[str] | None, Any] | None = None
         self.direct: _DirectCall | None = None
+        # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
+        # static input buffers, filled in place each call, and clones the outputs it returns
+        # (a later replay overwrites them).
+        self.owns_buffers = backend.mode == "reduce-overhead"
+        self.buffers: tuple[Any, Any, Any] | None = None
         self._compiled = torch.compile(
             _fresh_entry_point(runner),
             backend=_CountingCompiler(self, backend),
             fullgraph=backend.fullgraph,
-            dynamic=backend.dynamic,
+            # A preparation fixes shapes: by default (None) specialize them rather than let
+            # dynamo turn a changed size or int into a symbol after a strict=False call.
+            dynamic=False if backend.dynamic is None else backend.dynamic,
         )
 
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Compile for these arguments' signatures (called once by ``prepare_*``)."""
         self.translate_contexts = _needs_translation(contexts)
+        if self.owns_buffers:
+            translated = to_device_tensor(contexts, None) if self.translate_contexts else contexts
+            self.buffers = pytree.tree_map(
+                lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (x, tangents, translated)
+            )
         try:
             result = self(x, tangents, contexts)
         except torch._dynamo.exc.Unsupported as error:
@@ -188,14 +206,26 @@ class CompiledRunner:
         self.prepared = True
         captured, self.captured = self.captured, None
         if self.num_compilations == 1 and captured is not None:
-            translated = to_device_tensor(contexts, None) if self.translate_contexts else contexts
-            self.direct = _direct_call(captured, result, x, tangents, translated)
+            self.direct = _direct_call(captured, result, *self._arguments(x, tangents, contexts))
+
+    def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        """What the compiled function takes: translated contexts, in owned buffers if any."""
+        if self.translate_contexts:
+            contexts = to_device_tensor(contexts, None)
+        if self.buffers is None:
+            return x, tangents, contexts
+        return copyto_(self.buffers, (x, tangents, contexts))
+
+    def _finish(self, result: Any) -> Any:
+        if self.owns_buffers:
+            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
+        return result
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         """Run through ``torch.compile``'s entry point: dynamo evaluates its guards first."""
-        if self.translate_contexts:
-            contexts = to_device_tensor(contexts, None)
-        return self._compiled(x, tangents, contexts)
+        if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._finish(self._compiled(*self._arguments(x, tangents, contexts)))
 
     def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         """Run a call whose strict check has passed: the compiled graph directly when sound.
@@ -206,14 +236,13 @@ class CompiledRunner:
         inductor's compiled code asserts them and a mismatch goes through dynamo instead.
         """
         direct = self.direct
-        if direct is None or not direct.global_state.check():
+        if direct is None or self.owns_buffers or not direct.global_state.check():
             return self(x, tangents, contexts)
-        if self.translate_contexts:
-            contexts = to_device_tensor(contexts, None)
+        arguments = self._arguments(x, tangents, contexts)
         try:
-            outputs = direct.compiled(*direct.inputs(x, tangents, contexts))
+            outputs = direct.compiled(*direct.inputs(*arguments))
         except AssertionError:  # inductor's size/stride assertion on an input
-            return self._compiled(x, tangents, contexts)
+            return self._compiled(*arguments)
         return pytree.tree_unflatten(outputs, direct.output_spec)
 
 
