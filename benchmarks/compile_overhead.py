@@ -1,0 +1,219 @@
+"""What a prepared ``AutoCompile`` gradient costs next to calling the compiled function directly.
+
+One process, contenders interleaved (each repeat times a block of calls of every contender in
+turn), medians over repeats:
+
+- ``torchdi``: ``torchdi.gradient(f, AutoCompile(), x, *contexts, prep=prep)``
+- ``raw``: ``torch.compile(torch.func.grad(f), fullgraph=True)`` called directly
+- ``autograd``: eager ``torch.autograd.grad``
+- ``jax``: ``jax.jit(jax.grad(f))`` (only when jax is importable)
+
+Scenarios: (a) Rosenbrock with 1e6 float32 entries, (b) a small MLP loss (32 -> 64 -> 1) with
+respect to its input, (c) an MLP loss with respect to a dict of parameters.
+
+Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor]`` or
+``python -m torchdi bench --compile-overhead``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import torchdi as td
+
+
+@dataclass
+class Case:
+    name: str
+    f: Callable[..., torch.Tensor]
+    x: Any
+    contexts: tuple[Any, ...]  # plain values, wrapped in td.Constant for torchdi
+    jax_case: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
+
+
+def rosenbrock(x: torch.Tensor) -> torch.Tensor:
+    return (100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2).sum()
+
+
+def mlp_input_loss(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (w2 @ torch.tanh(w1 @ x + b1)).sum()
+
+
+def mlp_params_loss(params: dict[str, torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    hidden = torch.tanh(inputs @ params["w1"].T + params["b1"])
+    out = hidden @ params["w2"].T + params["b2"]
+    return ((out - targets) ** 2).mean()
+
+
+def cases() -> list[Case]:
+    g = torch.Generator().manual_seed(0)
+    w1, b1, w2 = torch.randn(64, 32, generator=g), torch.randn(64, generator=g), torch.randn(1, 64, generator=g)
+    params = {
+        "w1": torch.randn(64, 32, generator=g) * 0.1,
+        "b1": torch.zeros(64),
+        "w2": torch.randn(1, 64, generator=g) * 0.1,
+        "b2": torch.zeros(1),
+    }
+    inputs, targets = torch.randn(128, 32, generator=g), torch.randn(128, 1, generator=g)
+
+    def jax_rosenbrock() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        import jax.numpy as jnp
+
+        def f(x: Any) -> Any:
+            return (100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2).sum()
+
+        return f, (jnp.asarray(x_rosen.numpy()),)
+
+    def jax_mlp_input() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        import jax.numpy as jnp
+
+        def f(x: Any, w1_: Any, b1_: Any, w2_: Any) -> Any:
+            return (w2_ @ jnp.tanh(w1_ @ x + b1_)).sum()
+
+        return f, tuple(jnp.asarray(t.numpy()) for t in (x_mlp, w1, b1, w2))
+
+    def jax_mlp_params() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        import jax.numpy as jnp
+
+        def f(p: Any, inputs_: Any, targets_: Any) -> Any:
+            hidden = jnp.tanh(inputs_ @ p["w1"].T + p["b1"])
+            return (((hidden @ p["w2"].T + p["b2"]) - targets_) ** 2).mean()
+
+        return f, ({k: jnp.asarray(v.numpy()) for k, v in params.items()}, jnp.asarray(inputs.numpy()), jnp.asarray(targets.numpy()))
+
+    x_rosen = torch.rand(1_000_000, generator=g)
+    x_mlp = torch.randn(32, generator=g)
+    return [
+        Case("rosenbrock 1e6 (a)", rosenbrock, x_rosen, (), jax_rosenbrock),
+        Case("mlp 32-64-1 wrt input (b)", mlp_input_loss, x_mlp, (w1, b1, w2), jax_mlp_input),
+        Case("mlp wrt dict of params (c)", mlp_params_loss, params, (inputs, targets), jax_mlp_params),
+    ]
+
+
+def _calls_per_block(fn: Callable[[], Any], target_seconds: float = 0.02) -> int:
+    start = time.perf_counter()
+    fn()
+    elapsed = max(time.perf_counter() - start, 1e-7)
+    return max(1, min(2000, int(target_seconds / elapsed)))
+
+
+def measure(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each contender, timed in interleaved blocks."""
+    for fn in contenders.values():  # warm-up
+        for _ in range(3):
+            fn()
+    blocks = {name: _calls_per_block(fn) for name, fn in contenders.items()}
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            n = blocks[name]
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - start) / n)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run(repeats: int = 15, compiler: str = "inductor", progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Measure every case; returns one row per case with per-call times and ratios."""
+    backend = td.AutoCompile(compiler=compiler)
+    rows = []
+    for case in cases():
+        if progress:
+            progress(f"compile_overhead: {case.name}: preparing")
+        wrapped = tuple(td.Constant(c) for c in case.contexts)
+        prep = td.prepare_gradient(case.f, backend, case.x, *wrapped)
+        raw = torch.compile(torch.func.grad(case.f), backend=compiler, fullgraph=True)
+        reference = td.gradient(case.f, td.AutoAutograd(), case.x, *wrapped)
+        ours = td.gradient(case.f, backend, case.x, *wrapped, prep=prep)
+        theirs = raw(case.x, *case.contexts)
+        correct = all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+            for a, b, c in zip(
+                torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(reference), torch.utils._pytree.tree_leaves(theirs)
+            )
+        )
+
+        def autograd_call(case: Case = case) -> Any:
+            leaves, spec = torch.utils._pytree.tree_flatten(case.x)
+            tracked = [leaf.detach().requires_grad_() for leaf in leaves]
+            loss = case.f(torch.utils._pytree.tree_unflatten(tracked, spec), *case.contexts)
+            return torch.autograd.grad(loss, tracked)
+
+        contenders: dict[str, Callable[[], Any]] = {
+            "torchdi": lambda case=case, prep=prep: td.gradient(case.f, backend, case.x, *wrapped, prep=prep),
+            "raw": lambda case=case, raw=raw: raw(case.x, *case.contexts),
+            "autograd": autograd_call,
+        }
+        jax_fn = _jax_contender(case)
+        if jax_fn is not None:
+            contenders["jax"] = jax_fn
+        if progress:
+            progress(f"compile_overhead: {case.name}: timing {', '.join(contenders)}")
+        times = measure(contenders, repeats)
+        row: dict[str, Any] = {"scenario": case.name, "correct": correct, "compilations": prep.num_compilations}
+        row.update({f"{name} (us)": seconds * 1e6 for name, seconds in times.items()})
+        row["torchdi / raw"] = times["torchdi"] / times["raw"]
+        row["autograd / torchdi"] = times["autograd"] / times["torchdi"]
+        if "jax" in times:
+            row["jax / torchdi"] = times["jax"] / times["torchdi"]
+        rows.append(row)
+    return rows
+
+
+def _jax_contender(case: Case) -> Callable[[], Any] | None:
+    if case.jax_case is None:
+        return None
+    try:
+        import jax
+    except ImportError:
+        return None
+    f, args = case.jax_case()
+    compiled = jax.jit(jax.grad(f))
+
+    def call() -> Any:
+        return jax.block_until_ready(compiled(*args))
+
+    return call
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    columns = ["scenario", "torchdi (us)", "raw (us)", "autograd (us)", "jax (us)", "torchdi / raw", "autograd / torchdi", "jax / torchdi", "compilations", "correct"]
+    columns = [c for c in columns if any(c in row for row in rows)]
+
+    def cell(row: dict[str, Any], column: str) -> str:
+        value = row.get(column, "n/a")
+        if isinstance(value, bool):
+            return "ok" if value else "FAIL"
+        if isinstance(value, float):
+            return f"{value:.2f}" if "/" in column else f"{value:.1f}"
+        return str(value)
+
+    table = [columns] + [[cell(row, c) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(line, widths)) + " |" for line in table]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--compiler", default="inductor")
+    args = parser.parse_args(argv)
+    rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats")
+    print(format_rows(rows))
+    return 0 if all(row["correct"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
