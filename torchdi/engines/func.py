@@ -25,6 +25,12 @@ def _add_batch(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.unsqueeze(0), tree)
 
 
+def _like_primal(tangent: Any, primal: Any) -> Any:
+    """``tangent`` in the dtypes of ``primal``: ``torch.func.jvp`` promotes the tangent of a 0-d
+    float32 tensor times a Python float to float64 (the wrapped-number rule is lost in forward AD)."""
+    return pytree.tree_map(lambda t, p: t if t.dtype == p.dtype else t.to(p.dtype), tangent, primal)
+
+
 class FuncEngine:
     """Runners for ``AutoFunc``: every family natively."""
 
@@ -57,7 +63,8 @@ class FuncEngine:
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def along(t: Any) -> tuple[Any, Any]:
-                return jvp(lambda x_: f(x_, contexts), (x,), (t,))
+                y, dy = jvp(lambda x_: f(x_, contexts), (x,), (t,))
+                return y, _like_primal(dy, y)
 
             if single:
                 y, dy = along(_first(tx))
@@ -76,7 +83,8 @@ class FuncEngine:
 
     def _derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            return jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
+            y, dy = jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
+            return y, _like_primal(dy, y)
 
         return run
 
@@ -85,10 +93,11 @@ class FuncEngine:
             one = torch.ones_like(x)
 
             def value_and_derivative(x_: torch.Tensor) -> tuple[Any, Any]:
-                return jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+                y_, dy_ = jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+                return y_, _like_primal(dy_, y_)
 
             (y, dy), (_, d2y) = jvp(value_and_derivative, (x,), (one,))
-            return y, dy, d2y
+            return y, dy, _like_primal(d2y, y)
 
         return run
 
