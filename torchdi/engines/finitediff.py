@@ -36,6 +36,15 @@ class FiniteDiffEngine:
         self.step = backend.step
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
+        if family in ("hvp", "hessian") and self.step is None:
+            # Differences of differences: each level's rounding error is divided by the other
+            # level's step, so both levels need the second-order step (with the first-order one,
+            # forward-over-forward differences have an O(1) error).
+            from torchdi.operators._core import FALLBACKS
+
+            dtype = max(spec.x.dtypes, key=lambda d: torch.finfo(d).eps)
+            nested = AutoFiniteDiff(self.method, self._relative_step(dtype, order=2))
+            return FALLBACKS[family](nested, f, spec)
         builder = getattr(self, f"_{family}", None)
         return None if builder is None else builder(f)
 
@@ -44,9 +53,9 @@ class FiniteDiffEngine:
             return float(self.step)
         eps = torch.finfo(dtype).eps
         # Truncation vs rounding error: O(h^2) vs eps/h (central), O(h) vs eps/h (one-sided),
-        # and eps/h^2 for second differences.
+        # and eps/h^2 for second differences (O(h^2) central, O(h) one-sided truncation).
         if order == 2:
-            return float(eps ** 0.25)
+            return float(eps**0.25 if self.method == "central" else eps ** (1 / 3))
         return float(eps ** (1 / 3) if self.method == "central" else eps**0.5)
 
     def _pushforward(self, f: Any) -> Any:

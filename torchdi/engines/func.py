@@ -25,6 +25,11 @@ def _add_batch(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.unsqueeze(0), tree)
 
 
+def _scalar(y: torch.Tensor) -> torch.Tensor:
+    """A one-element output as the 0-d tensor ``torch.func.grad`` requires (the contract allows any shape)."""
+    return y.reshape(())
+
+
 def _like_primal(tangent: Any, primal: Any) -> Any:
     """``tangent`` in the dtypes of ``primal``: ``torch.func.jvp`` promotes the tangent of a 0-d
     float32 tensor times a Python float to float64 (the wrapped-number rule is lost in forward AD)."""
@@ -75,9 +80,11 @@ class FuncEngine:
         return run
 
     def _gradient(self, f: Any, spec: Any) -> Any:
+        y_shape = spec.y.shapes[0]
+
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            g, y = grad_and_value(lambda x_: f(x_, contexts))(x)
-            return y, g
+            g, y = grad_and_value(lambda x_: _scalar(f(x_, contexts)))(x)
+            return y.reshape(y_shape), g
 
         return run
 
@@ -122,7 +129,7 @@ class FuncEngine:
         single = spec.n_tangents == 1
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            gradient_of = grad(lambda x_: f(x_, contexts))
+            gradient_of = grad(lambda x_: _scalar(f(x_, contexts)))
 
             def along(t: Any) -> tuple[Any, Any]:
                 return jvp(gradient_of, (x,), (t,))
@@ -135,15 +142,17 @@ class FuncEngine:
         return run
 
     def _hessian(self, f: Any, spec: Any) -> Any:
+        y_shape = spec.y.shapes[0]
+
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             def gradient_with_value(x_: torch.Tensor) -> tuple[Any, Any]:
-                g, y = grad_and_value(lambda x__: f(x__, contexts))(x_)
+                g, y = grad_and_value(lambda x__: _scalar(f(x__, contexts)))(x_)
                 return g, (g, y)
 
             if self.chunk_size is None:
                 hess, (g, y) = jacfwd(gradient_with_value, has_aux=True)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
-            return y, g, hess
+            return y.reshape(y_shape), g, hess
 
         return run

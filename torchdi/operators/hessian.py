@@ -54,7 +54,7 @@ def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
     def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
         y, grad = value_and_gradient(x, None, contexts)
         _, columns = hvps(x, spec.x.basis(x), contexts)  # (n, *x_shape): H e_i, a column of H
-        return y, grad, columns.reshape(n, n).T.reshape(*x_shape, *x_shape)
+        return y, grad, columns.reshape(n, n).T.reshape(x_shape + x_shape)
 
     return run
 

@@ -77,14 +77,14 @@ def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Run
 
         def run_forward(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             y, columns = pushforward(x, spec.x.basis(x), contexts)  # (n, *y_shape)
-            return y, columns.reshape(n, m).T.reshape(*y_shape, *x_shape)
+            return y, columns.reshape(n, m).T.reshape(y_shape + x_shape)
 
         return run_forward
     pullback = build_runner(backend, "pullback", f, replace_spec(spec, n_tangents=m))
 
     def run_reverse(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
         y, rows = pullback(x, _output_basis(spec, x), contexts)  # (m, *x_shape)
-        return y, rows.reshape(*y_shape, *x_shape)
+        return y, rows.reshape(y_shape + x_shape)
 
     return run_reverse
 
