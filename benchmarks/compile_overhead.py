@@ -149,7 +149,7 @@ def run(repeats: int = 15, compiler: str = "inductor", progress: Callable[[str],
             return torch.autograd.grad(loss, tracked)
 
         contenders: dict[str, Callable[[], Any]] = {
-            "torchdi": lambda case=case, prep=prep: td.gradient(case.f, backend, case.x, *wrapped, prep=prep),
+            "torchdi": lambda case=case, prep=prep, wrapped=wrapped: td.gradient(case.f, backend, case.x, *wrapped, prep=prep),
             "raw": lambda case=case, raw=raw: raw(case.x, *case.contexts),
             "autograd": autograd_call,
         }

@@ -42,7 +42,7 @@ from torchdi.operators import (
     value_derivative_and_second_derivative,
     value_gradient_and_hessian,
 )
-from torchdi.prep import PreparationMismatchError, Prep
+from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.translate import copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"

@@ -125,11 +125,11 @@ class Prep:
         "_expected",
         "_names",
         "backend",
+        "call",
         "f",
         "keep_static",
         "operator",
         "output_shape",
-        "call",
         "runner",
         "strict",
     )
@@ -217,6 +217,12 @@ def _hint(expected: Any, received: Any) -> str:
     e_kind, r_kind = expected[0], received[0]
     if e_kind in ("Constant", "Cache") and r_kind == e_kind:
         return _hint(expected[1], received[1])
+    if e_kind in (tuple, list) and r_kind is e_kind and len(expected[1]) == len(received[1]):
+        for i, (ed, rd) in enumerate(zip(expected[1], received[1])):
+            if ed != rd:
+                hint = _hint(ed, rd)
+                return f" (in item {i}){hint}" if hint else f" (first difference in item {i})"
+        return ""
     if e_kind is dict and r_kind is dict:
         for (ek, ed), (rk, rd) in zip(expected[1], received[1]):
             if ek == rk and ed != rd:

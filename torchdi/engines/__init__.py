@@ -6,7 +6,15 @@ to let the generic fallback in ``torchdi.operators`` build it from other runners
 
 from __future__ import annotations
 
-from torchdi.backends import AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, AutoXLA, Backend, SecondOrder
+from torchdi.backends import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoXLA,
+    Backend,
+    SecondOrder,
+)
 from torchdi.engines.base import Engine
 
 __all__ = ["Engine", "engine_for"]

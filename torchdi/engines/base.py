@@ -18,7 +18,11 @@ class Engine(Protocol):
     """
 
     native: ClassVar[frozenset[str]]
-    keeps_static: bool
+
+    @property
+    def keeps_static(self) -> bool:
+        """Whether static leaves are baked into what the engine builds."""
+        ...
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         """A runner ``(x, batched_tangents, context_values) -> full result``, or ``None``."""

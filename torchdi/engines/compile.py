@@ -36,11 +36,11 @@ class _CountingCompiler:
     def __init__(self, owner: CompiledRunner, backend: AutoCompile) -> None:
         self.owner = owner
         if backend.compiler == "inductor":
-            self.compiler: Any = torch._TorchCompileInductorWrapper(  # type: ignore[attr-defined]
+            self.compiler: Any = torch._TorchCompileInductorWrapper(
                 backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
             )
         else:
-            self.compiler = torch._TorchCompileWrapper(  # type: ignore[attr-defined]
+            self.compiler = torch._TorchCompileWrapper(
                 backend.compiler, backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
             )
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)

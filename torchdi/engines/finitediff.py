@@ -67,24 +67,24 @@ class FiniteDiffEngine:
             count = pytree.tree_leaves(tx)[0].shape[0]
             columns = []
             for i in range(count):
-                direction = pytree.tree_map(lambda t: t[i], tx)
+                direction = pytree.tree_map(lambda t, i=i: t[i], tx)
                 norm = _max_abs(direction)
                 if norm == 0.0:
                     columns.append(pytree.tree_map(torch.zeros_like, y))
                     continue
-                h = relative * scale / norm
-                if self.method == "central":
-                    plus, minus = f(_axpy(x, h, direction), contexts), f(_axpy(x, -h, direction), contexts)
-                    columns.append(pytree.tree_map(lambda p, m: (p - m) / (2 * h), plus, minus))
-                elif self.method == "forward":
-                    plus = f(_axpy(x, h, direction), contexts)
-                    columns.append(pytree.tree_map(lambda p, y0: (p - y0) / h, plus, y))
-                else:
-                    minus = f(_axpy(x, -h, direction), contexts)
-                    columns.append(pytree.tree_map(lambda y0, m: (y0 - m) / h, y, minus))
+                columns.append(self._difference(f, x, y, direction, relative * scale / norm, contexts))
             return y, pytree.tree_map(lambda *cs: torch.stack(cs), *columns)
 
         return run
+
+    def _difference(self, f: Any, x: Any, y: Any, direction: Any, h: float, contexts: tuple[Any, ...]) -> Any:
+        """The difference quotient of ``f`` at ``x`` along ``direction`` with step ``h``."""
+        if self.method == "central":
+            plus, minus = f(_axpy(x, h, direction), contexts), f(_axpy(x, -h, direction), contexts)
+            return pytree.tree_map(lambda p, m: (p - m) / (2 * h), plus, minus)
+        if self.method == "forward":
+            return pytree.tree_map(lambda p, y0: (p - y0) / h, f(_axpy(x, h, direction), contexts), y)
+        return pytree.tree_map(lambda y0, m: (y0 - m) / h, y, f(_axpy(x, -h, direction), contexts))
 
     def _second_derivative(self, f: Any) -> Any:
         first = self._pushforward(f)

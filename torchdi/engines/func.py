@@ -6,7 +6,7 @@ These runners are pure functions of their arguments, which is what ``AutoCompile
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
@@ -15,6 +15,14 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoFunc
 
 __all__ = ["FuncEngine"]
+
+# vmap's out_dims for (value, per-tangent result): the value does not depend on the tangent.
+_SHARED_VALUE: Any = (None, 0)
+
+
+def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``torch.func.jvp`` without ``has_aux``: always ``(value, tangent)``."""
+    return cast(tuple[Any, Any], jvp(fn, primals, tangents))
 
 
 def _first(tree: Any) -> Any:
@@ -54,7 +62,7 @@ class FuncEngine:
         single = spec.n_tangents == 1
 
         def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, vjp_fn = vjp(lambda x_: f(x_, contexts), x)
+            y, vjp_fn = cast(tuple[Any, Any], vjp(lambda x_: f(x_, contexts), x))
             if single:
                 (dx,) = vjp_fn(_first(ty))
                 return y, _add_batch(dx)
@@ -68,13 +76,13 @@ class FuncEngine:
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def along(t: Any) -> tuple[Any, Any]:
-                y, dy = jvp(lambda x_: f(x_, contexts), (x,), (t,))
+                y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (t,))
                 return y, _like_primal(dy, y)
 
             if single:
                 y, dy = along(_first(tx))
                 return y, _add_batch(dy)
-            y, dy = vmap(along, out_dims=(None, 0))(tx)
+            y, dy = vmap(along, out_dims=_SHARED_VALUE)(tx)
             return y, dy
 
         return run
@@ -90,7 +98,7 @@ class FuncEngine:
 
     def _derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, dy = jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
+            y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
             return y, _like_primal(dy, y)
 
         return run
@@ -100,10 +108,10 @@ class FuncEngine:
             one = torch.ones_like(x)
 
             def value_and_derivative(x_: torch.Tensor) -> tuple[Any, Any]:
-                y_, dy_ = jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+                y_, dy_ = _jvp(lambda x__: f(x__, contexts), (x_,), (one,))
                 return y_, _like_primal(dy_, y_)
 
-            (y, dy), (_, d2y) = jvp(value_and_derivative, (x,), (one,))
+            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x,), (one,))
             return y, dy, _like_primal(d2y, y)
 
         return run
@@ -132,12 +140,12 @@ class FuncEngine:
             gradient_of = grad(lambda x_: _scalar(f(x_, contexts)))
 
             def along(t: Any) -> tuple[Any, Any]:
-                return jvp(gradient_of, (x,), (t,))
+                return _jvp(gradient_of, (x,), (t,))
 
             if single:
                 g, hv = along(_first(tx))
                 return g, _add_batch(hv)
-            return vmap(along, out_dims=(None, 0))(tx)
+            return vmap(along, out_dims=_SHARED_VALUE)(tx)
 
         return run
 

@@ -10,16 +10,27 @@ dimension, one entry per tangent. The full result of each family holds everythin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import _BACKEND_TYPES, AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, AutoXLA, Backend, SecondOrder, require_available
-from torchdi.errors import UnsupportedOperatorError
+from torchdi.backends import (
+    _BACKEND_TYPES,
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoXLA,
+    Backend,
+    SecondOrder,
+    require_available,
+)
 from torchdi.contexts import bind_contexts, unwrap_contexts
+from torchdi.errors import UnsupportedOperatorError
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.translate import copyto_
 
@@ -226,6 +237,55 @@ def _received(x: Any, tangents: Any, values: tuple[Any, ...], mask: tuple[bool, 
     return head + describe_contexts(values, mask, keep_static)
 
 
+@contextlib.contextmanager
+def _refuse_mutation(x: Any, values: tuple[Any, ...], mask: tuple[bool, ...], operator: str) -> Iterator[None]:
+    """Raise when ``f`` writes into ``x`` or a ``Constant`` (module buffers included), after
+    restoring the module buffers it wrote.
+
+    Writes are seen through tensors' version counters. Backends disagree on such writes (eager
+    autograd performs them, ``torch.func`` refuses them, a compiled graph replays them), so
+    they are refused instead of silently diverging: BatchNorm's running statistics are the
+    common case.
+    """
+    watched: list[tuple[str, torch.Tensor]] = [(f"x{_path(p)}", t) for p, t in _tensor_leaves(x)]
+    modules: list[tuple[str, torch.nn.Module]] = []
+    for i, (value, is_cache) in enumerate(zip(values, mask)):
+        if is_cache:
+            continue
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            name = f"context {i + 1} (Constant){_path(path)}"
+            if isinstance(leaf, torch.Tensor):
+                watched.append((name, leaf))
+            elif isinstance(leaf, torch.nn.Module):
+                modules.append((name, leaf))
+    buffers = [(f"{name}, buffer {b}", t) for name, m in modules for b, t in m.named_buffers()]
+    versions = [t._version for _, t in watched + buffers]
+    saved = [t.detach().clone() for _, t in buffers]
+    yield
+    written = [name for (name, t), v in zip(watched + buffers, versions) if t._version != v]
+    if not written:
+        return
+    with torch.no_grad():
+        for (_, t), before in zip(buffers, saved):
+            t.copy_(before)
+    raise ValueError(
+        f"{operator}: f wrote in place into {', '.join(written)}. Inputs and Constants must not be "
+        "modified (backends would disagree: eager autograd writes, torch.func refuses, a compiled "
+        "graph replays). Use a Cache for scratch space. For modules that update buffers in forward "
+        "(BatchNorm running statistics): call model.eval() to use fixed statistics, or "
+        "torch.func.replace_all_batch_norm_modules_(model) to use batch statistics without "
+        "tracking, or pass the buffers as a Cache and update the statistics outside torchdi."
+    )
+
+
+def _tensor_leaves(tree: Any) -> list[tuple[Any, torch.Tensor]]:
+    return [(p, t) for p, t in pytree.tree_flatten_with_path(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _path(path: Any) -> str:
+    return "".join(str(k) for k in path)
+
+
 def prepare_operator(
     family: str,
     operator: str,
@@ -247,14 +307,13 @@ def prepare_operator(
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
-    with torch.no_grad():
+    with torch.no_grad(), _refuse_mutation(x, values, mask, operator):
         y = bound(x_run, values)
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
-    if family in SCALAR_Y or family in ("jacobian", "derivative", "second_derivative"):
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
+    if (family in SCALAR_Y or family in ("jacobian", "derivative", "second_derivative")) and not isinstance(y, torch.Tensor):
+        raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
     if family in SCALAR_Y and y.numel() != 1:
         raise ValueError(
             f"{operator}: f must return a scalar (one-element) tensor, got shape {tuple(y.shape)}; "
@@ -277,7 +336,7 @@ def prepare_operator(
     warm_up = getattr(runner, "warm_up", None)
     if warm_up is not None:
         with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
-                warm_up(x_run, None if tangents is None else _batch_tangents(tangents), values)
+            warm_up(x_run, None if tangents is None else _batch_tangents(tangents), values)
     expected = _received(x, tangents, values, mask, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(

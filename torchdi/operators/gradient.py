@@ -10,7 +10,17 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, write_out
+from torchdi.operators._core import (
+    FALLBACKS,
+    BoundFunction,
+    Runner,
+    Spec,
+    build_runner,
+    prepare_operator,
+    replace_spec,
+    run_operator,
+    write_out,
+)
 from torchdi.prep import Prep
 
 __all__ = ["gradient", "prepare_gradient", "value_and_gradient"]

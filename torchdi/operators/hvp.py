@@ -7,7 +7,18 @@ from typing import Any
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, outer_inner, prepare_operator, replace_spec, run_operator, unbatch
+from torchdi.operators._core import (
+    FALLBACKS,
+    BoundFunction,
+    Runner,
+    Spec,
+    build_runner,
+    outer_inner,
+    prepare_operator,
+    replace_spec,
+    run_operator,
+    unbatch,
+)
 from torchdi.prep import Prep
 
 __all__ = ["gradient_and_hvp", "hvp", "prepare_hvp"]

@@ -9,7 +9,17 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, build_runner, prepare_operator, replace_spec, run_operator, unbatch
+from torchdi.operators._core import (
+    FALLBACKS,
+    BoundFunction,
+    Runner,
+    Spec,
+    build_runner,
+    prepare_operator,
+    replace_spec,
+    run_operator,
+    unbatch,
+)
 from torchdi.prep import Prep
 from torchdi.translate import ravel
 
@@ -80,7 +90,7 @@ def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -
         jac_t = torch.stack([ravel(column)[0] for column in unbatch(columns, n)])  # (n, m)
         flat_ty = torch.stack([ravel(t)[0] for t in unbatch(ty, spec.n_tangents)])  # (k, m)
         _, unravel_x = ravel(x)
-        dx = unravel_x((flat_ty.to(jac_t.dtype) @ jac_t.T))  # (k, n) -> x layout with batch dim
+        dx = unravel_x(flat_ty.to(jac_t.dtype) @ jac_t.T)  # (k, n) -> x layout with batch dim
         return y, dx
 
     return run

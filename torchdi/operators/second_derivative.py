@@ -9,7 +9,19 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import FALLBACKS, BoundFunction, Runner, Spec, TreeMeta, build_runner, outer_inner, prepare_operator, replace_spec, run_operator, write_out
+from torchdi.operators._core import (
+    FALLBACKS,
+    BoundFunction,
+    Runner,
+    Spec,
+    TreeMeta,
+    build_runner,
+    outer_inner,
+    prepare_operator,
+    replace_spec,
+    run_operator,
+    write_out,
+)
 from torchdi.prep import Prep
 
 __all__ = ["prepare_second_derivative", "second_derivative", "value_derivative_and_second_derivative"]
