@@ -95,6 +95,15 @@ def test_default_backends_are_the_available_ones() -> None:
 def test_missing_compile_overhead_suite(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import torchdi.__main__ as cli
 
-    monkeypatch.setattr(cli, "_compile_overhead_main", lambda: None)
+    monkeypatch.setattr(cli, "_benchmark_main", lambda name: None)
     assert main(["bench", "--suite", "compile-overhead"]) == 2
     assert "compile_overhead.py" in capsys.readouterr().err
+
+
+def test_benchmark_scripts_load_as_suites() -> None:
+    import torchdi.__main__ as cli
+
+    assert callable(cli._benchmark_main("raw_overhead"))
+    if (Path(cli.__file__).resolve().parent.parent / "benchmarks" / "compile_overhead.py").is_file():
+        assert callable(cli._benchmark_main("compile_overhead"))
+    assert cli._benchmark_main("no_such_benchmark") is None

@@ -111,15 +111,16 @@ def select_operators(requested: Sequence[str] | None) -> list[str] | None:
 # bench
 
 
-def _compile_overhead_main() -> Callable[..., Any] | None:
-    """``main`` of ``benchmarks/compile_overhead.py`` in a source checkout, when the file exists."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_overhead.py"
+def _benchmark_main(name: str) -> Callable[..., Any] | None:
+    """``main`` of ``benchmarks/<name>.py`` in a source checkout, when the file exists."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location("torchdi_benchmarks_compile_overhead", path)
+    spec = importlib.util.spec_from_file_location(f"torchdi_benchmarks_{name}", path)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up there
     spec.loader.exec_module(module)
     return getattr(module, "main", None)
 
@@ -154,10 +155,11 @@ def run_bench(args: argparse.Namespace) -> int:
         plot,
     )
 
-    if args.suite == "compile-overhead":
-        main = _compile_overhead_main()
+    if args.suite != "differentiation":
+        module = args.suite.replace("-", "_")
+        main = _benchmark_main(module)
         if main is None:
-            raise UsageError("benchmarks/compile_overhead.py (with a main()) is not in this checkout")
+            raise UsageError(f"benchmarks/{module}.py (with a main()) is not in this checkout")
         # Its own options: python benchmarks/compile_overhead.py --help
         result = main([]) if inspect.signature(main).parameters else main()
         return int(result or 0)
@@ -325,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--operators", action="append", metavar="NAMES", help="keep only scenarios of these operators")
     bench.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart (needs matplotlib: the bench extra)")
-    bench.add_argument("--suite", choices=["differentiation", "compile-overhead"], default="differentiation",
-                       help="compile-overhead runs benchmarks/compile_overhead.py (source checkout)")
+    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead"], default="differentiation",
+                       help="compile-overhead / raw-overhead run benchmarks/compile_overhead.py / raw_overhead.py (source checkout)")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     bench.add_argument("--scenarios", action="append", help=argparse.SUPPRESS)
     bench.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
