@@ -23,17 +23,31 @@ __all__ = ["AutogradEngine"]
 
 
 def _is_tracked(leaf: torch.Tensor) -> bool:
-    return leaf.requires_grad or fwAD.unpack_dual(leaf).tangent is not None
+    if leaf.requires_grad:
+        return True
+    # Only inside a dual level can a tensor carry a forward-mode tangent (unpacking costs a call).
+    return getattr(fwAD, "_current_level", 0) >= 0 and fwAD.unpack_dual(leaf).tangent is not None
 
 
 def _track(x: Any) -> tuple[Any, list[torch.Tensor], bool]:
     """``x`` with leaves that require grad, those leaves, and whether an outer transform is active."""
+    if isinstance(x, torch.Tensor):  # the common case, without pytree round trips
+        if _is_tracked(x):
+            tracked = x if x.requires_grad else x.clone().requires_grad_()
+            return tracked, [tracked], True
+        tracked = x.detach().requires_grad_()
+        return tracked, [tracked], False
     leaves, spec = pytree.tree_flatten(x)
     if any(_is_tracked(leaf) for leaf in leaves):
         leaves = [leaf if leaf.requires_grad else leaf.clone().requires_grad_() for leaf in leaves]
         return pytree.tree_unflatten(leaves, spec), leaves, True
     leaves = [leaf.detach().requires_grad_() for leaf in leaves]
     return pytree.tree_unflatten(leaves, spec), leaves, False
+
+
+def _like_x(x: Any, leaves: list[torch.Tensor]) -> Any:
+    """``leaves`` in the structure of ``x``."""
+    return leaves[0] if isinstance(x, torch.Tensor) else pytree.tree_unflatten(leaves, pytree.tree_structure(x))
 
 
 def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor], create_graph: bool, retain_graph: bool) -> list[torch.Tensor]:
@@ -54,7 +68,9 @@ def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: l
 
 
 def _maybe_detach(tree: Any, nested: bool) -> Any:
-    return tree if nested else pytree.tree_map(lambda t: t.detach(), tree)
+    if nested:
+        return tree
+    return tree.detach() if isinstance(tree, torch.Tensor) else pytree.tree_map(lambda t: t.detach(), tree)
 
 
 class AutogradEngine:
@@ -85,7 +101,7 @@ class AutogradEngine:
                     for i in range(count)
                 ]
             dx = [torch.stack([row[j] for row in rows]) for j in range(len(leaves))]
-            return _maybe_detach(y, nested), pytree.tree_unflatten(dx, pytree.tree_structure(x))
+            return _maybe_detach(y, nested), _like_x(x, dx)
 
         return run
 
@@ -116,8 +132,14 @@ class AutogradEngine:
             with torch.enable_grad():
                 x_in, leaves, nested = _track(x)
                 y = f(x_in, contexts)
-                grads = _grad([y], leaves, [torch.ones_like(y)], nested, retain_graph=False)
-            return _maybe_detach(y, nested), pytree.tree_unflatten(grads, pytree.tree_structure(x))
+                if y.requires_grad:  # a 0-d output needs no explicit cotangent
+                    grads = torch.autograd.grad(
+                        y, leaves, None if y.dim() == 0 else torch.ones_like(y),
+                        create_graph=nested, allow_unused=True, materialize_grads=True,
+                    )
+                else:
+                    grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
+            return _maybe_detach(y, nested), _like_x(x, list(grads))
 
         return run
 
@@ -133,9 +155,8 @@ class AutogradEngine:
                     _grad(grads, leaves, [t[i] for t in tx_leaves], nested, retain_graph=True)
                     for i in range(count)
                 ]
-            spec = pytree.tree_structure(x)
             hvps = [torch.stack([column[j] for column in columns]) for j in range(len(leaves))]
-            return _maybe_detach(pytree.tree_unflatten(grads, spec), nested), pytree.tree_unflatten(hvps, spec)
+            return _maybe_detach(_like_x(x, grads), nested), _like_x(x, hvps)
 
         return run
 
