@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd
+from torchdi.engines.base import like_primal
 
 __all__ = ["AutogradEngine"]
 
@@ -165,7 +166,7 @@ class AutogradEngine:
             with fwAD.dual_level():
                 y = f(fwAD.make_dual(x, torch.ones_like(x)), contexts)
                 primal, tangent = fwAD.unpack_dual(y)
-            return primal, torch.zeros_like(primal) if tangent is None else tangent
+            return primal, torch.zeros_like(primal) if tangent is None else like_primal(tangent, primal)
 
         return run
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol
 
-__all__ = ["Engine"]
+from torch.utils import _pytree as pytree
+
+__all__ = ["Engine", "like_primal"]
 
 
 class Engine(Protocol):
@@ -27,3 +29,10 @@ class Engine(Protocol):
     def build(self, family: str, f: Any, spec: Any) -> Any:
         """A runner ``(x, batched_tangents, context_values) -> full result``, or ``None``."""
         ...
+
+
+def like_primal(tangent: Any, primal: Any) -> Any:
+    """``tangent`` in the dtypes of ``primal``: forward-mode AD (dual tensors, ``torch.func.jvp``)
+    promotes the tangent of a 0-d float32 tensor times a Python float to float64, losing the
+    wrapped-number rule that keeps the primal float32."""
+    return pytree.tree_map(lambda t, p: t if t.dtype == p.dtype else t.to(p.dtype), tangent, primal)

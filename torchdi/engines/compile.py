@@ -93,7 +93,8 @@ def _placeholder_sources(graph: torch.fx.GraphModule) -> list[str] | None:
             graph_arg = node.meta.get("grapharg")
             if graph_arg is None or getattr(graph_arg, "source", None) is None:
                 return None
-            sources.append(graph_arg.source.name)
+            name = graph_arg.source.name
+            sources.append(name() if callable(name) else name)  # a method before torch 2.10
     return sources
 
 

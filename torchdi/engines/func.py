@@ -13,6 +13,7 @@ from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc
+from torchdi.engines.base import like_primal as _like_primal
 
 __all__ = ["FuncEngine"]
 
@@ -36,12 +37,6 @@ def _add_batch(tree: Any) -> Any:
 def _scalar(y: torch.Tensor) -> torch.Tensor:
     """A one-element output as the 0-d tensor ``torch.func.grad`` requires (the contract allows any shape)."""
     return y.reshape(())
-
-
-def _like_primal(tangent: Any, primal: Any) -> Any:
-    """``tangent`` in the dtypes of ``primal``: ``torch.func.jvp`` promotes the tangent of a 0-d
-    float32 tensor times a Python float to float64 (the wrapped-number rule is lost in forward AD)."""
-    return pytree.tree_map(lambda t, p: t if t.dtype == p.dtype else t.to(p.dtype), tangent, primal)
 
 
 class FuncEngine:
