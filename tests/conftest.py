@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["pytester"]  # tests of torchdi.testing run pytest on generated test modules
+
 # Property tests stay small and fast; no deadline (the first torch.func call warms up lazily).
 settings.register_profile(
     "torchdi",

@@ -303,3 +303,13 @@ def test_compile_backend_validation():
         td.AutoCompile(mode="max-autotune", options={"max_autotune": True})
     assert hash(td.AutoCompile(options={"a": 1})) == hash(td.AutoCompile(options={"a": 1}))
     assert td.check_available(AOT)
+
+
+def test_aot_eager_passes_every_default_scenario():
+    """All 240 scenarios of torchdi.testing (every operator; scalar, vector, matrix, dict inputs;
+    no context, Constant float or tensor, Cache; float32 and float64), prepared at one point and
+    run at another, with inputs intact and no recompilation."""
+    from torchdi.testing import default_scenarios, test_differentiation
+
+    records = test_differentiation([AOT], default_scenarios())
+    assert len(records) == 240

@@ -324,3 +324,18 @@ def test_benchmark_scenarios_are_well_formed() -> None:
     assert isinstance(by_name["mlp-dict"].x, dict)
     assert by_name["jacobian-100"].x.shape == (100,) and by_name["hessian-1000"].x.shape == (1000,)
     assert all(s.dtype == torch.float32 for s in scenarios)
+
+
+def test_test_differentiation_is_not_collected_when_imported_into_a_test_module(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+        import torchdi as td
+        from torchdi.testing import Scenario, test_differentiation
+
+        def test_mine():
+            test_differentiation([td.AutoFunc()], [Scenario("gradient", lambda x: (x**2).sum(), torch.randn(3))])
+        """
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

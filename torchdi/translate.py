@@ -15,6 +15,7 @@ __all__ = [
     "copyto_",
     "ravel",
     "to_device_tensor",
+    "translate_contexts",
     "tree_leaves",
     "unravel",
 ]
@@ -30,8 +31,9 @@ def to_device_tensor(obj: Any, device: Device) -> Any:
 
     - tensors go to ``device`` (no copy when already there);
     - numpy arrays and numpy scalars become tensors;
-    - Python ``float``/``complex`` become 0-d tensors of the default (complex) dtype (traced: a
-      new value does not recompile);
+    - Python ``float``/``complex`` become 0-d float64/complex128 tensors (traced: a new value
+      does not recompile; compiled backends then narrow them to the precision of ``x``, as a
+      Python scalar combines with ``x``);
     - Python ``int``, ``bool``, ``str``, ``None`` and unknown objects stay as they are (static:
       partially evaluated into the program, as sizes and bounds should be);
     - tuples, lists, dicts and namedtuples are walked.
@@ -49,7 +51,7 @@ def to_device_tensor(obj: Any, device: Device) -> Any:
     Example::
 
         >>> torchdi.to_device_tensor({"lr": 0.1, "steps": 3}, "cpu")
-        {'lr': tensor(0.1000), 'steps': 3}
+        {'lr': tensor(0.1000, dtype=torch.float64), 'steps': 3}
     """
     return obj
 
@@ -69,17 +71,15 @@ def _(obj: np.generic, device: Device) -> torch.Tensor:
     return torch.as_tensor(obj, device=device)
 
 
-# Python floats become tensors of the default dtype, as torch.tensor(obj) does: a float64 0-d
-# tensor would promote 0-d float32 operands (scalar functions of scalar x) to float64, unlike
-# the Python float it replaces. Pass a float64 tensor for full precision in float32 programs.
+# Exact values (float64, complex128); engines narrow them to the precision of x (translate_contexts).
 @to_device_tensor.register(float)
 def _(obj: float, device: Device) -> torch.Tensor:
-    return torch.tensor(obj, dtype=torch.get_default_dtype(), device=device)
+    return torch.tensor(obj, dtype=torch.float64, device=device)
 
 
 @to_device_tensor.register(complex)
 def _(obj: complex, device: Device) -> torch.Tensor:
-    return torch.tensor(obj, device=device)
+    return torch.tensor(obj, dtype=torch.complex128, device=device)
 
 
 @to_device_tensor.register(bool)
@@ -105,6 +105,30 @@ def _(obj: list, device: Device) -> list:
 def _(obj: dict, device: Device) -> dict:
     translated = {key: to_device_tensor(value, device) for key, value in obj.items()}
     return translated if type(obj) is dict else type(obj)(translated)
+
+
+def translate_contexts(contexts: Any, device: Device, precision_of: Any) -> Any:
+    """``to_device_tensor(contexts, device)``, with Python floats in the precision of ``precision_of``.
+
+    A Python float meets ``x`` as a scalar: ``x`` keeps its dtype. A float64 0-d tensor would
+    promote 0-d float32 arithmetic to float64 instead, and a float32 one would round the value
+    in float64 programs; so the exact translation is narrowed to ``x``'s (real) dtype.
+    """
+    translated = to_device_tensor(contexts, device)
+    leaf = next((t for t in pytree.tree_leaves(precision_of) if isinstance(t, torch.Tensor)), None)
+    if leaf is None or not (leaf.is_floating_point() or leaf.is_complex()):
+        return translated
+    real = leaf.real.dtype if leaf.is_complex() else leaf.dtype
+    originals, spec = pytree.tree_flatten(contexts)
+    leaves, translated_spec = pytree.tree_flatten(translated)
+    if spec != translated_spec:  # a user translation changed the structure: leave it alone
+        return translated
+    complex_of_real = torch.complex128 if real == torch.float64 else torch.complex64
+    narrowed = [
+        t.to(real if type(o) is float else complex_of_real) if type(o) in (float, complex) and isinstance(t, torch.Tensor) else t
+        for o, t in zip(originals, leaves)
+    ]
+    return pytree.tree_unflatten(narrowed, spec)
 
 
 def _flatten_pair(dst: Any, src: Any, what: str) -> tuple[list[Any], list[Any]]:

@@ -22,8 +22,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
+from torchdi.engines.base import ALL_FAMILIES
 from torchdi.prep import _IMMUTABLE_STATIC
-from torchdi.translate import copyto_, to_device_tensor
+from torchdi.translate import copyto_, to_device_tensor, translate_contexts
 
 __all__ = ["CompileEngine", "CompiledRunner"]
 
@@ -191,7 +192,7 @@ class CompiledRunner:
         """Compile for these arguments' signatures (called once by ``prepare_*``)."""
         self.translate_contexts = _needs_translation(contexts)
         if self.owns_buffers:
-            translated = to_device_tensor(contexts, None) if self.translate_contexts else contexts
+            translated = translate_contexts(contexts, None, x) if self.translate_contexts else contexts
             self.buffers = pytree.tree_map(
                 lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (x, tangents, translated)
             )
@@ -212,7 +213,7 @@ class CompiledRunner:
     def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
         """What the compiled function takes: translated contexts, in owned buffers if any."""
         if self.translate_contexts:
-            contexts = to_device_tensor(contexts, None)
+            contexts = translate_contexts(contexts, None, x)
         if self.buffers is None:
             return x, tangents, contexts
         return copyto_(self.buffers, (x, tangents, contexts))
@@ -250,9 +251,7 @@ class CompiledRunner:
 class CompileEngine:
     """Builds the inner backend's runner and compiles it."""
 
-    native: ClassVar[frozenset[str]] = frozenset(
-        {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
-    )
+    native: ClassVar[frozenset[str]] = ALL_FAMILIES
     keeps_static: ClassVar[bool] = True
 
     def __init__(self, backend: AutoCompile) -> None:

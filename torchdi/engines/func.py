@@ -13,6 +13,7 @@ from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc
+from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
 
 __all__ = ["FuncEngine"]
@@ -42,9 +43,7 @@ def _scalar(y: torch.Tensor) -> torch.Tensor:
 class FuncEngine:
     """Runners for ``AutoFunc``: every family natively."""
 
-    native: ClassVar[frozenset[str]] = frozenset(
-        {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
-    )
+    native: ClassVar[frozenset[str]] = ALL_FAMILIES
     keeps_static: ClassVar[bool] = False
 
     def __init__(self, backend: AutoFunc) -> None:

@@ -8,7 +8,7 @@ that way (each measured on torch-xla 2.9's CPU client):
   (``torch_xla.sync()``), which would pull stray intermediates into a new graph.
 - A 0-d value equal to 0 or 1 is compiled in as a constant, and equal scalars share device
   data: every 0-d leaf therefore travels as a shape-(1,) buffer viewed as 0-d.
-- Python floats become 0-d tensors (``to_device_tensor``), i.e. data; ints, strings and other
+- Python floats become 0-d tensors (``to_device_tensor``, in ``x``'s precision), i.e. data; ints, strings and other
   objects are static and part of the graph (the strict check compares them).
 
 With ``reuse_buffers=True`` the runner owns device buffers for ``x``, the tangents and the tensor
@@ -27,7 +27,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoXLA
-from torchdi.translate import copyfrom, copyto_, to_device_tensor
+from torchdi.engines.base import ALL_FAMILIES
+from torchdi.translate import copyfrom, copyto_, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
@@ -85,7 +86,7 @@ class XLARunner:
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Allocate the device buffers (with ``reuse_buffers``) and compile for these signatures."""
         if self.reuse_buffers:
-            leaves = pytree.tree_leaves((x, tangents, to_device_tensor(contexts, None)))
+            leaves = pytree.tree_leaves((x, tangents, translate_contexts(contexts, None, x)))
             self.buffers = [
                 torch.empty((1,) if leaf.dim() == 0 else leaf.shape, dtype=leaf.dtype, device=self.device)
                 if isinstance(leaf, torch.Tensor) and not _is_xla(leaf)
@@ -96,7 +97,7 @@ class XLARunner:
 
     def _on_device(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, bool]:
         """The runner's arguments on the device, and whether ``x`` already lived there."""
-        arguments = (x, tangents, to_device_tensor(contexts, None))
+        arguments = (x, tangents, translate_contexts(contexts, None, x))
         leaves, spec = pytree.tree_flatten(arguments)
         x_on_device = all(_is_xla(leaf) for leaf in pytree.tree_leaves(x))
         pending = [leaf for leaf in leaves if _is_xla(leaf)]
@@ -134,9 +135,7 @@ class XLARunner:
 class XLAEngine:
     """Builds the inner backend's runner and runs it on the XLA device."""
 
-    native: ClassVar[frozenset[str]] = frozenset(
-        {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
-    )
+    native: ClassVar[frozenset[str]] = ALL_FAMILIES
     keeps_static: ClassVar[bool] = True
 
     def __init__(self, backend: AutoXLA) -> None:
