@@ -1,7 +1,7 @@
 """What a prepared ``AutoCompile`` gradient costs next to calling the compiled function directly.
 
 One process, contenders interleaved (each repeat times a block of calls of every contender in
-turn), medians over repeats:
+turn, the order rotating from repeat to repeat), medians over repeats:
 
 - ``torchdi``: ``torchdi.gradient(f, AutoCompile(), x, *contexts, prep=prep)``
 - ``raw``: ``torch.compile(torch.func.grad(f), fullgraph=True)`` called directly
@@ -112,8 +112,12 @@ def measure(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             fn()
     blocks = {name: _calls_per_block(fn) for name, fn in contenders.items()}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    for repeat in range(repeats):
+        # Rotate who goes first: a block run right after autograd's (or JAX's) allocations
+        # starts with colder caches, which would otherwise always be the same contender's.
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            fn = contenders[name]
             n = blocks[name]
             start = time.perf_counter()
             for _ in range(n):

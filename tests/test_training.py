@@ -68,7 +68,7 @@ def test_gradients_land_in_param_grad_without_new_tensors(backend):
         for n in params:
             torch.testing.assert_close(params[n].grad, expected[n], atol=1e-6, rtol=1e-5)
         optimizer.step()
-    assert prep.num_compilations <= 1
+    assert prep.num_compilations <= 2  # value_and_gradient's graph and gradient's
 
 
 def test_last_batch_of_another_size_raises_with_advice():

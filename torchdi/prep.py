@@ -128,6 +128,8 @@ class Prep:
         "call",
         "f",
         "keep_static",
+        "lean_call",
+        "lean_runner",
         "operator",
         "output_shape",
         "runner",
@@ -145,6 +147,7 @@ class Prep:
         strict: bool,
         keep_static: bool,
         output_shape: torch.Size | None,
+        lean_runner: Callable[..., Any] | None = None,
     ) -> None:
         self.operator = operator
         self.f = f
@@ -154,13 +157,18 @@ class Prep:
         self.runner = runner
         # A call whose signature was checked may take the runner's faster path, if it has one.
         self.call = getattr(runner, "checked_call", runner) if strict else runner
+        # The plain operator's own runner, when the engine built one that skips the value.
+        self.lean_runner = lean_runner
+        self.lean_call = (
+            None if lean_runner is None else getattr(lean_runner, "checked_call", lean_runner) if strict else lean_runner
+        )
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
 
     @property
     def num_compilations(self) -> int:
-        return int(getattr(self.runner, "num_compilations", 0))
+        return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
 
     def __repr__(self) -> str:
         return (

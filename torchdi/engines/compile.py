@@ -111,7 +111,17 @@ class _DirectCall:
     compiled: Any
     inputs: Any
     output_spec: pytree.TreeSpec
+    n_leaves: int
+    slots: tuple[int, ...]  # positions of the graph's outputs among the result's leaves (others: None)
     global_state: Any
+
+    def result(self, outputs: Any) -> Any:
+        if len(self.slots) == self.n_leaves:
+            return pytree.tree_unflatten(outputs, self.output_spec)
+        leaves: list[Any] = [None] * self.n_leaves
+        for slot, output in zip(self.slots, outputs):
+            leaves[slot] = output
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
 
 def _direct_call(
@@ -134,9 +144,13 @@ def _direct_call(
         return None
     if not all(isinstance(leaf, (torch.Tensor, *_IMMUTABLE_STATIC)) for leaf in leaves):
         return None
-    result_leaves, output_spec = pytree.tree_flatten(result)
-    if not all(isinstance(leaf, torch.Tensor) for leaf in result_leaves):
+    # The graph returns the result's tensors; a runner's None (a value it was told to skip) is
+    # a constant of the output structure.
+    all_leaves, output_spec = pytree.tree_flatten(result)
+    if not all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in all_leaves):
         return None
+    slots = tuple(i for i, leaf in enumerate(all_leaves) if leaf is not None)
+    result_leaves = [all_leaves[i] for i in slots]
     body = ", ".join(source.replace("L['x']", "x").replace("L['tangents']", "tangents").replace("L['contexts']", "contexts") for source in sources)
     inputs = eval(f"lambda x, tangents, contexts: ({body}{',' if sources else ''})", {})  # validated above
     try:
@@ -148,7 +162,7 @@ def _direct_call(
     for got, want in zip(outputs, result_leaves):
         if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
             return None
-    return _DirectCall(compiled, inputs, output_spec, torch._C._dynamo.guards.GlobalStateGuard())
+    return _DirectCall(compiled, inputs, output_spec, len(all_leaves), slots, torch._C._dynamo.guards.GlobalStateGuard())
 
 
 def _needs_translation(tree: Any) -> bool:
@@ -245,7 +259,7 @@ class CompiledRunner:
             outputs = direct.compiled(*direct.inputs(*arguments))
         except AssertionError:  # inductor's size/stride assertion on an input
             return self._compiled(*arguments)
-        return pytree.tree_unflatten(outputs, direct.output_spec)
+        return direct.result(outputs)
 
 
 class CompileEngine:

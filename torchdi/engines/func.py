@@ -88,7 +88,10 @@ class FuncEngine:
             g, y = grad_and_value(lambda x_: _scalar(f(x_, contexts)))(x)
             return y.reshape(y_shape), g
 
-        return run
+        def run_without_value(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            return None, grad(lambda x_: _scalar(f(x_, contexts)))(x)
+
+        return run if spec.needs_value else run_without_value
 
     def _derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:

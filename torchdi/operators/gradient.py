@@ -91,7 +91,7 @@ def gradient(
         >>> torchdi.gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.tensor([1., 2.]))
         tensor([2., 4.])
     """
-    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep)
+    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep, value=False)
     return write_out(grad, out, "gradient")
 
 
