@@ -1,7 +1,7 @@
 """What a prepared ``AutoCompile`` gradient costs next to calling the compiled function directly.
 
 One process, contenders interleaved (each repeat times a block of calls of every contender in
-turn, the order rotating from repeat to repeat), medians over repeats:
+turn, in every order in turn, after one untimed call), medians over repeats:
 
 - ``torchdi``: ``torchdi.gradient(f, AutoCompile(), x, *contexts, prep=prep)``
 - ``raw``: ``torch.compile(torch.func.grad(f), fullgraph=True)`` called directly
@@ -18,6 +18,7 @@ Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor]
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -112,13 +113,14 @@ def measure(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             fn()
     blocks = {name: _calls_per_block(fn) for name, fn in contenders.items()}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    names = list(contenders)
-    for repeat in range(repeats):
-        # Rotate who goes first: a block run right after autograd's (or JAX's) allocations
-        # starts with colder caches, which would otherwise always be the same contender's.
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+    orders = itertools.cycle(itertools.permutations(contenders))
+    for _ in range(repeats):
+        # Every contender follows every other equally often, and each block starts with an
+        # untimed call: a block run right after autograd's allocations starts with cold caches.
+        for name in next(orders):
             fn = contenders[name]
             n = blocks[name]
+            fn()
             start = time.perf_counter()
             for _ in range(n):
                 fn()

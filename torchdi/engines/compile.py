@@ -13,6 +13,7 @@ any other code.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -111,17 +112,48 @@ class _DirectCall:
     compiled: Any
     inputs: Any
     output_spec: pytree.TreeSpec
+    rebuild: Any  # tree_unflatten for output_spec
     n_leaves: int
     slots: tuple[int, ...]  # positions of the graph's outputs among the result's leaves (others: None)
     global_state: Any
 
     def result(self, outputs: Any) -> Any:
         if len(self.slots) == self.n_leaves:
-            return pytree.tree_unflatten(outputs, self.output_spec)
+            return self.rebuild(outputs)
         leaves: list[Any] = [None] * self.n_leaves
         for slot, output in zip(self.slots, outputs):
             leaves[slot] = output
-        return pytree.tree_unflatten(leaves, self.output_spec)
+        return self.rebuild(leaves)
+
+
+
+def _rebuilder(spec: pytree.TreeSpec) -> Any:
+    """``tree_unflatten(leaves, spec)`` as a flat function (a few us less per call)."""
+    counter = iter(range(spec.num_leaves))
+
+    def expression(node: pytree.TreeSpec) -> str | None:
+        if node.is_leaf():
+            return f"leaves[{next(counter)}]"
+        children = node.children() if hasattr(node, "children") else node.children_specs
+        parts = [expression(child) for child in children]
+        if any(part is None for part in parts):
+            return None
+        if node.type is tuple:
+            return "(" + "".join(f"{part}, " for part in parts) + ")"
+        if node.type is list:
+            return "[" + ", ".join(parts) + "]"  # type: ignore[arg-type]
+        if node.type is dict and all(isinstance(key, str) for key in node.context):
+            return "{" + ", ".join(f"{key!r}: {part}" for key, part in zip(node.context, parts)) + "}"
+        return None
+
+    body = expression(spec)
+    if body is None:
+        return functools.partial(_unflatten, spec=spec)
+    return eval(f"lambda leaves: {body}", {})  # built from the spec's structure only
+
+
+def _unflatten(leaves: Any, spec: pytree.TreeSpec) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _direct_call(
@@ -162,7 +194,9 @@ def _direct_call(
     for got, want in zip(outputs, result_leaves):
         if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
             return None
-    return _DirectCall(compiled, inputs, output_spec, len(all_leaves), slots, torch._C._dynamo.guards.GlobalStateGuard())
+    return _DirectCall(
+        compiled, inputs, output_spec, _rebuilder(output_spec), len(all_leaves), slots, torch._C._dynamo.guards.GlobalStateGuard()
+    )
 
 
 def _needs_translation(tree: Any) -> bool:

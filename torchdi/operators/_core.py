@@ -182,6 +182,9 @@ def _canonical_x(x: Any, family: str, operator: str) -> Any:
         return x.detach() if x.requires_grad else x
     if family in TENSOR_X:
         raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
+    if type(x) is dict and x and all(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in x.values()):
+        # A flat dict of tensors (module parameters): the hot case, without a pytree round trip.
+        return {k: v.detach() for k, v in x.items()} if any(v.requires_grad for v in x.values()) else x
     leaves, spec = pytree.tree_flatten(x)
     if not leaves:
         raise ValueError(f"{operator}: x must contain at least one tensor, got {x!r}")
@@ -396,8 +399,12 @@ def run_operator(
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value or prep.lean_call is None else prep.lean_call
-    with torch.no_grad():
+    grad_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
+    try:
         return call(x_run, batched, values)
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
 
 
 def write_out(result: Any, out: Any, operator: str) -> Any:
