@@ -16,7 +16,6 @@ __all__ = [
     "ravel",
     "to_device_tensor",
     "translate_contexts",
-    "tree_leaves",
     "unravel",
 ]
 
@@ -195,11 +194,6 @@ def copyfrom(src: Any, out: Any = None) -> Any:
     if out is not None:
         return copyto_(out, src)
     return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, src)
-
-
-def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of a pytree, in ``torch.utils._pytree`` order."""
-    return pytree.tree_leaves(tree)
 
 
 def ravel(tree: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
