@@ -184,3 +184,12 @@ def test_prep_keeps_no_reference_to_user_data_and_inputs_are_intact():
 def test_available_here():
     assert td.check_available(XLA)
     assert td.check_available(td.AutoXLA(device=str(torch_xla.device())))
+
+
+def test_every_default_scenario():
+    """All 240 scenarios of torchdi.testing on XLA: every operator; scalar, vector, matrix and
+    dict inputs; no context, Constant, Cache; float32 and float64; prepared at one point and run
+    at another, inputs intact, no recompilation, no reference kept."""
+    from torchdi.testing import default_scenarios, test_differentiation
+
+    assert len(test_differentiation([XLA], default_scenarios())) == 240

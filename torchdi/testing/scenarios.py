@@ -322,7 +322,8 @@ def matrix_to_matrix(x: torch.Tensor) -> torch.Tensor:
 
 def pytree_to_scalar(p: dict[str, torch.Tensor]) -> torch.Tensor:
     w, b = p["w"], p["b"]
-    inputs = torch.linspace(-1, 1, 4 * w.shape[0], dtype=w.dtype, device=w.device).reshape(4, w.shape[0])
+    # Made on the CPU: torch-xla 2.9 computes a float64 linspace in float32 precision (1e-7 off).
+    inputs = torch.linspace(-1, 1, 4 * w.shape[0], dtype=w.dtype).reshape(4, w.shape[0]).to(w.device)
     return (torch.tanh(inputs @ w + b) ** 2).sum() + (w**2).sum() * 0.1
 
 
