@@ -330,3 +330,22 @@ def test_aot_eager_passes_every_default_scenario():
 
     records = test_differentiation([AOT], default_scenarios())
     assert len(records) == 240
+
+
+def test_one_shot_calls_compile_only_the_variant_they_need(monkeypatch):
+    from torchdi.engines import compile as compile_engine
+
+    compiled = []
+    original = compile_engine._CountingCompiler.__call__
+
+    def counting(self, graph, example_inputs):
+        compiled.append(graph)
+        return original(self, graph, example_inputs)
+
+    monkeypatch.setattr(compile_engine._CountingCompiler, "__call__", counting)
+    x = _point(0)
+    _close(td.gradient(scaled_power, AOT, x, td.Constant(2)), 2 * x)
+    assert len(compiled) == 1
+    y, g = td.value_and_gradient(scaled_power, AOT, x, td.Constant(2))
+    _close((y, g), ((x**2).sum(), 2 * x))
+    assert len(compiled) == 2

@@ -302,8 +302,12 @@ def prepare_operator(
     tangents: tuple[Any, ...] | None,
     contexts: Sequence[Any],
     strict: bool,
+    value: bool | None = None,
 ) -> Prep:
-    """Validate the arguments, build the runner for ``backend`` and compile it if needed."""
+    """Validate the arguments, build the runner for ``backend`` and compile it if needed.
+
+    ``value`` says which variant a one-shot call needs (``None``: both, as ``prepare_*`` does).
+    """
     from torchdi.engines import engine_for
 
     if not callable(f):
@@ -340,12 +344,13 @@ def prepare_operator(
     spec = Spec(x_meta, y_meta, n_tangents)
     engine = engine_for(backend)
     batched = None if tangents is None else _batch_tangents(tangents)
-    runner = _built(backend, family, bound, spec, x_run, batched, values)
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
     # a bandwidth-bound function): compile that variant too, for the plain operator.
+    lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
+    runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
     lean = None
-    if family in LEAN_FAMILIES and engine.keeps_static:
-        lean = _built(backend, family, bound, replace(spec, needs_value=False), x_run, batched, values)
+    if lean_spec is not None and value is None:
+        lean = _built(backend, family, bound, lean_spec, x_run, batched, values)
     expected = _received(x, tangents, values, mask, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -388,7 +393,7 @@ def run_operator(
     With ``value=False`` the value part may be ``None`` (the caller drops it).
     """
     if prep is None:
-        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False)
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
         values = tuple(c.value for c in contexts)
     else:
         if not isinstance(prep, Prep):
