@@ -99,15 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="repeatable; default: all available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    names = args.backend or [name for name, b in BACKENDS.items() if td.check_available(b)]
+    # Availability first: torch-xla's device must exist before the process's first backward pass.
+    available = {name: td.check_available(b) for name, b in BACKENDS.items()}
+    names = args.backend or [name for name, ok in available.items() if ok]
     reference, _, _ = train(td.AutoAutograd(), args.steps, args.seed)
     print(f"{'backend':<10} {'final loss':>10} {'max |param - eager|':>20} {'steps/s':>9}")
     for name in names:
-        backend = BACKENDS[name]
-        if not td.check_available(backend):
+        if not available[name]:
             print(f"{name:<10} unavailable here", file=sys.stderr)
             continue
-        model, loss, rate = train(backend, args.steps, args.seed)
+        model, loss, rate = train(BACKENDS[name], args.steps, args.seed)
         print(f"{name:<10} {loss:>10.4f} {max_parameter_difference(model, reference):>20.2e} {rate:>9.1f}")
     return 0
 

@@ -193,3 +193,39 @@ def test_every_default_scenario():
     from torchdi.testing import default_scenarios, test_differentiation
 
     assert len(test_differentiation([XLA], default_scenarios())) == 240
+
+
+def test_training_on_xla_matches_eager_autograd():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[2] / "examples" / "train_mlp.py"
+    spec = importlib.util.spec_from_file_location("train_mlp", path)
+    train_mlp = importlib.util.module_from_spec(spec)
+    sys.modules["train_mlp"] = train_mlp
+    spec.loader.exec_module(train_mlp)
+    reference, ref_loss, _ = train_mlp.train(REFERENCE, 8)
+    model, loss, _ = train_mlp.train(XLA, 8)
+    assert train_mlp.max_parameter_difference(model, reference) < 1e-5
+    assert abs(loss - ref_loss) < 1e-5
+
+
+def test_backward_before_the_device_exists_gives_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import torch, torchdi as td\n"
+        "x = torch.randn(3, requires_grad=True)\n"
+        "(x ** 2).sum().backward()\n"
+        "assert not td.check_available(td.AutoXLA())\n"
+        "try:\n"
+        "    td.gradient(lambda x: (x ** 2).sum(), td.AutoXLA(), torch.ones(3))\n"
+        "except td.BackendUnavailableError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True)
+    assert "before the XLA device existed" in done.stdout
+    assert "check_available" in done.stdout

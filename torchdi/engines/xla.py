@@ -47,6 +47,19 @@ def _probe(device: Any) -> str | None:
             f"AutoXLA: no XLA device is usable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             "set PJRT_DEVICE=TPU on a TPU host, or PJRT_DEVICE=CPU for torch-xla's CPU client"
         )
+    try:
+        probe = torch.zeros(1, device=target, requires_grad=True)
+        (probe * 2).sum().backward()
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        # PyTorch's autograd engine sizes its per-device queues at its first backward pass.
+        return (
+            "AutoXLA: this process ran a backward pass before the XLA device existed, and PyTorch's "
+            "autograd engine cannot learn about new devices afterwards. Call "
+            "torchdi.check_available(torchdi.AutoXLA()) (or torch_xla.device()) before any other "
+            "differentiation in the process."
+        )
     return None
 
 
