@@ -153,10 +153,13 @@ class AutogradEngine:
                 tx_leaves = pytree.tree_leaves(tx)
                 count = tx_leaves[0].shape[0]
                 columns = [
-                    _grad(grads, leaves, [t[i] for t in tx_leaves], nested, retain_graph=True)
+                    _grad(grads, leaves, [t[i] for t in tx_leaves], nested, retain_graph=i < count - 1)
                     for i in range(count)
                 ]
-            hvps = [torch.stack([column[j] for column in columns]) for j in range(len(leaves))]
+            hvps = [
+                columns[0][j].unsqueeze(0) if count == 1 else torch.stack([column[j] for column in columns])
+                for j in range(len(leaves))
+            ]
             return _maybe_detach(_like_x(x, grads), nested), _like_x(x, hvps)
 
         return run
