@@ -155,13 +155,10 @@ class Prep:
         self._expected = expected
         self._names = names
         self.runner = runner
-        # A call whose signature was checked may take the runner's faster path, if it has one.
-        self.call = getattr(runner, "checked_call", runner) if strict else runner
+        self.call = _entry(runner, strict)
         # The plain operator's own runner, when the engine built one that skips the value.
         self.lean_runner = lean_runner
-        self.lean_call = (
-            None if lean_runner is None else getattr(lean_runner, "checked_call", lean_runner) if strict else lean_runner
-        )
+        self.lean_call = None if lean_runner is None else _entry(lean_runner, strict)
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
@@ -220,22 +217,27 @@ class Prep:
         raise PreparationMismatchError("\n".join(lines))
 
 
+def _entry(runner: Callable[..., Any], strict: bool) -> Callable[..., Any]:
+    """What a call runs: a strict-checked call may take the runner's faster path, if it has one."""
+    return getattr(runner, "checked_call", runner) if strict else runner
+
+
 def _hint(expected: Any, received: Any) -> str:
     """Say which dimension changed when only a tensor's shape differs (e.g. a last batch)."""
     e_kind, r_kind = expected[0], received[0]
     if e_kind in ("Constant", "Cache") and r_kind == e_kind:
         return _hint(expected[1], received[1])
-    if e_kind in (tuple, list) and r_kind is e_kind and len(expected[1]) == len(received[1]):
-        for i, (ed, rd) in enumerate(zip(expected[1], received[1])):
+    if e_kind is dict and r_kind is dict:  # items are (key, description) pairs
+        pairs = [(f"key {ek!r}", ed, rd) for (ek, ed), (rk, rd) in zip(expected[1], received[1]) if ek == rk]
+    elif e_kind in (tuple, list) and r_kind is e_kind and len(expected[1]) == len(received[1]):
+        pairs = [(f"item {i}", ed, rd) for i, (ed, rd) in enumerate(zip(expected[1], received[1]))]
+    else:
+        pairs = None
+    if pairs is not None:
+        for where, ed, rd in pairs:
             if ed != rd:
                 hint = _hint(ed, rd)
-                return f" (in item {i}){hint}" if hint else f" (first difference in item {i})"
-        return ""
-    if e_kind is dict and r_kind is dict:
-        for (ek, ed), (rk, rd) in zip(expected[1], received[1]):
-            if ek == rk and ed != rd:
-                hint = _hint(ed, rd)
-                return f" (in key {ek!r}){hint}" if hint else f" (first difference in key {ek!r})"
+                return f" (in {where}){hint}" if hint else f" (first difference in {where})"
         return ""
     if not (isinstance(e_kind, type) and issubclass(e_kind, torch.Tensor) and e_kind is r_kind):
         return ""

@@ -51,7 +51,8 @@ class _CountingCompiler:
         # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
         compiled = self.compiler(graph, example_inputs)
         self.owner.num_compilations += 1
-        self.owner.captured = (_placeholder_sources(graph), compiled)
+        if not self.owner.prepared:  # only the preparation's graph may be called directly
+            self.owner.captured = (_placeholder_sources(graph), compiled)
         if self.owner.prepared:
             logger.warning(
                 "torchdi: AutoCompile recompiled %s after preparation (compilation %d): a static "

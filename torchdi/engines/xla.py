@@ -119,11 +119,14 @@ class XLARunner:
 
             torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
         if self.buffers is not None:
-            sources = [leaf.reshape(1) if b is not None and leaf.dim() == 0 else leaf for leaf, b in zip(leaves, self.buffers)]
-            copyto_([b for b in self.buffers if b is not None], [s for s, b in zip(sources, self.buffers) if b is not None])
-            moved = [
-                leaf if b is None else (b.view(()) if leaf.dim() == 0 else b) for leaf, b in zip(leaves, self.buffers)
-            ]
+            moved = []
+            for leaf, buffer in zip(leaves, self.buffers):
+                if buffer is None:  # static, or already on the device
+                    moved.append(leaf)
+                elif leaf.dim() == 0:
+                    moved.append(copyto_(buffer, leaf.reshape(1)).view(()))
+                else:
+                    moved.append(copyto_(buffer, leaf))
         else:
             moved = [
                 (leaf.reshape(1).to(self.device).view(()) if leaf.dim() == 0 else leaf.to(self.device))
