@@ -307,7 +307,7 @@ class CompileEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        from torchdi.operators._core import build_runner
+        from torchdi.runners import build_runner
 
         inner = build_runner(self.backend.inner, family, f, spec)
         return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))

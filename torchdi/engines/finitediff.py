@@ -40,7 +40,7 @@ class FiniteDiffEngine:
             # Differences of differences: each level's rounding error is divided by the other
             # level's step, so both levels need the second-order step (with the first-order one,
             # forward-over-forward differences have an O(1) error).
-            from torchdi.operators._core import FALLBACKS
+            from torchdi.runners import FALLBACKS
 
             dtype = max(spec.x.dtypes, key=lambda d: torch.finfo(d).eps)
             nested = AutoFiniteDiff(self.method, self._relative_step(dtype, order=2))

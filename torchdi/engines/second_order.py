@@ -26,7 +26,7 @@ class SecondOrderEngine:
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         if family in FIRST_ORDER:
-            from torchdi.operators._core import build_runner
+            from torchdi.runners import build_runner
 
             return build_runner(self.backend.inner, family, f, spec)
         return None

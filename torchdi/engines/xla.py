@@ -158,6 +158,6 @@ class XLAEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        from torchdi.operators._core import build_runner
+        from torchdi.runners import build_runner
 
         return XLARunner(build_runner(self.backend.inner, family, f, spec), self.backend)

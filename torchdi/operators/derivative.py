@@ -9,18 +9,16 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    prepare_operator,
     replace_spec,
-    run_operator,
-    write_out,
 )
-from torchdi.prep import Prep
 
 __all__ = ["derivative", "prepare_derivative", "value_and_derivative"]
 

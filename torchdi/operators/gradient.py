@@ -10,18 +10,16 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    prepare_operator,
     replace_spec,
-    run_operator,
-    write_out,
 )
-from torchdi.prep import Prep
 
 __all__ = ["gradient", "prepare_gradient", "value_and_gradient"]
 

@@ -7,19 +7,18 @@ from typing import Any
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
     outer_inner,
-    prepare_operator,
     replace_spec,
-    run_operator,
     unbatch,
 )
-from torchdi.prep import Prep
 
 __all__ = ["gradient_and_hvp", "hvp", "prepare_hvp"]
 

@@ -9,19 +9,17 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators.pushforward import _output_basis
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    prepare_operator,
     replace_spec,
-    run_operator,
-    write_out,
 )
-from torchdi.operators.pushforward import _output_basis
-from torchdi.prep import Prep
 
 __all__ = ["jacobian", "prepare_jacobian", "value_and_jacobian"]
 

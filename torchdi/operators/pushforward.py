@@ -10,18 +10,17 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    prepare_operator,
     replace_spec,
-    run_operator,
     unbatch,
 )
-from torchdi.prep import Prep
 from torchdi.translate import ravel
 
 __all__ = ["prepare_pushforward", "pushforward", "value_and_pushforward"]

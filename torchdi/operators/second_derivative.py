@@ -9,7 +9,9 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import (
+from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.prep import Prep
+from torchdi.runners import (
     FALLBACKS,
     BoundFunction,
     Runner,
@@ -17,12 +19,8 @@ from torchdi.operators._core import (
     TreeMeta,
     build_runner,
     outer_inner,
-    prepare_operator,
     replace_spec,
-    run_operator,
-    write_out,
 )
-from torchdi.prep import Prep
 
 __all__ = ["prepare_second_derivative", "second_derivative", "value_derivative_and_second_derivative"]
 

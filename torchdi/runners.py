@@ -1,0 +1,149 @@
+"""Runners: what engines and operators share.
+
+Each operator family ("gradient", "jacobian", ...) is computed by a *runner*: a pure function
+``runner(x, tangents, context_values) -> full result`` built once per preparation by the
+backend's engine (or by the generic fallback of the family when the engine has no native
+version). ``tangents`` are batched: one pytree shaped like ``x`` (or ``y``) with a leading
+dimension, one entry per tangent. The full result of each family holds everything the
+``value_and_*`` variant returns; the plain operator drops the value.
+
+Engines import this module, never ``torchdi.operators`` (which registers its generic fallbacks
+in ``FALLBACKS`` when the package is imported): no import cycles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoXLA,
+    Backend,
+    SecondOrder,
+)
+from torchdi.errors import UnsupportedOperatorError
+
+__all__ = [
+    "FALLBACKS",
+    "BoundFunction",
+    "Runner",
+    "Spec",
+    "TreeMeta",
+    "build_runner",
+    "outer_inner",
+    "replace_spec",
+    "unbatch",
+]
+
+Runner = Callable[[Any, Any, tuple[Any, ...]], tuple[Any, ...]]
+BoundFunction = Callable[[Any, tuple[Any, ...]], Any]
+
+
+@dataclass(frozen=True)
+class TreeMeta:
+    """Structure, shapes and dtypes of a tensor pytree (no values)."""
+
+    spec: pytree.TreeSpec
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @staticmethod
+    def of(tree: Any) -> TreeMeta:
+        leaves, spec = pytree.tree_flatten(tree)
+        return TreeMeta(spec, tuple(leaf.shape for leaf in leaves), tuple(leaf.dtype for leaf in leaves))
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.spec.is_leaf()
+
+    @property
+    def numel(self) -> int:
+        return sum(int(torch.Size(s).numel()) for s in self.shapes)
+
+    def basis(self, like: Any) -> Any:
+        """The standard basis of this space, batched: leaf ``i`` has shape ``(numel, *shape_i)``.
+
+        ``like`` is a tensor pytree of this structure whose device the basis takes.
+        """
+        leaves = pytree.tree_leaves(like)
+        eye = torch.eye(self.numel, dtype=leaves[0].dtype, device=leaves[0].device)
+        pieces = torch.split(eye, [int(torch.Size(s).numel()) for s in self.shapes], dim=1)
+        return pytree.tree_unflatten(
+            [p.reshape(self.numel, *s).to(d) for p, s, d in zip(pieces, self.shapes, self.dtypes)], self.spec
+        )
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a runner builder may rely on: layouts of ``x`` and ``y``, the number of tangents, and
+    whether the caller uses the value (``False``: a runner may return ``None`` in its place)."""
+
+    x: TreeMeta
+    y: TreeMeta
+    n_tangents: int
+    needs_value: bool = True
+
+
+def outer_inner(backend: Backend) -> tuple[Backend, Backend]:
+    """The (outer, inner) pair of a second-order computation; a plain backend plays both roles.
+
+    Raises ``UnsupportedOperatorError`` for pairs PyTorch cannot compose: ``torch.func``
+    transforms cannot differentiate through ``torch.autograd.grad``.
+    """
+    if not isinstance(backend, SecondOrder):
+        return backend, backend
+    outer, inner = backend.outer, backend.inner
+    if _base(outer) is AutoFunc and _base(inner) is AutoAutograd:
+        raise UnsupportedOperatorError(
+            f"{backend!r}: torch.func transforms cannot differentiate torch.autograd.grad calls. "
+            "Backends that can: SecondOrder(AutoFunc(), AutoFunc()), SecondOrder(AutoAutograd(), AutoAutograd()), "
+            "SecondOrder(AutoAutograd(), AutoFunc()), SecondOrder(AutoFiniteDiff(), <any>)"
+        )
+    if _base(inner) is AutoFiniteDiff and _base(outer) is not AutoFiniteDiff:
+        raise UnsupportedOperatorError(
+            f"{backend!r}: finite differences of the inner backend are not differentiable by an AD outer backend. "
+            "Backends that can: SecondOrder(AutoFiniteDiff(), AutoFiniteDiff()), SecondOrder(AutoFiniteDiff(), AutoFunc()), "
+            "SecondOrder(AutoFunc(), AutoFunc()), AutoAutograd()"
+        )
+    return outer, inner
+
+
+def _base(backend: Backend) -> type:
+    """The eager backend type a (possibly compiled) backend runs."""
+    while isinstance(backend, (AutoCompile, AutoXLA)):
+        backend = backend.inner
+    return type(backend)
+
+
+# family -> generic builder(backend, f, spec); filled by the operator modules.
+FALLBACKS: dict[str, Callable[[Backend, BoundFunction, Spec], Runner]] = {}
+
+
+def build_runner(backend: Backend, family: str, f: BoundFunction, spec: Spec) -> Runner:
+    """The runner of ``family`` for ``backend``: the engine's native one, else the generic fallback."""
+    from torchdi.engines import engine_for
+
+    runner = engine_for(backend).build(family, f, spec)
+    if runner is None:
+        runner = FALLBACKS[family](backend, f, spec)
+    return runner
+
+
+def unbatch(tree: Any, count: int) -> tuple[Any, ...]:
+    """Split a pytree whose leaves have a leading batch dimension into ``count`` pytrees."""
+    leaves, spec = pytree.tree_flatten(tree)
+    columns = [leaf.unbind(0) for leaf in leaves]
+    return tuple(pytree.tree_unflatten([column[i] for column in columns], spec) for i in range(count))
+
+
+def replace_spec(spec: Spec, **changes: Any) -> Spec:
+    """``spec`` with some fields changed (for runners built on top of other runners)."""
+    return replace(spec, **changes)
