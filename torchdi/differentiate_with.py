@@ -110,6 +110,7 @@ class DifferentiateWith:
     def __call__(self, x: Any, *contexts: Context[Any]) -> Any:
         """``f(x, *values)``, differentiable with respect to ``x`` through ``backend``."""
         values, mask = unwrap_contexts(contexts, "DifferentiateWith", first_position=2)
+        kinds = tuple(type(c) for c in contexts)
         x_leaves, x_spec = _x_leaves(x)
         context_leaves, context_spec = pytree.tree_flatten(values)
         slots = tuple(i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor))
@@ -122,6 +123,7 @@ class DifferentiateWith:
             [None if i in slots else leaf for i, leaf in enumerate(context_leaves)],
             slots,
             mask,
+            kinds,
             tuple(owners[slot] for slot in slots),
         )
         tensors = (*x_leaves, *(context_leaves[i] for i in slots))
@@ -209,6 +211,7 @@ class _Layout:
         "context_leaves",
         "context_of_slot",
         "context_spec",
+        "kinds",
         "mask",
         "n_context",
         "n_x",
@@ -228,6 +231,7 @@ class _Layout:
         context_leaves: list[Any],
         slots: tuple[int, ...],
         mask: tuple[bool, ...],
+        kinds: tuple[type[Context[Any]], ...],
         context_of_slot: tuple[int, ...],
     ) -> None:
         self.owner = owner
@@ -237,6 +241,8 @@ class _Layout:
         self.context_leaves = context_leaves
         self.slots = slots
         self.mask = mask
+        # The wrapper of each context, to hand the backend the same kinds the user gave.
+        self.kinds = kinds
         self.context_of_slot = context_of_slot  # which context (1-based) each tensor slot belongs to
         self.n_context = len(slots)
         self.y_spec: pytree.TreeSpec | None = None
@@ -252,7 +258,7 @@ class _Layout:
         return tuple(pytree.tree_unflatten(leaves, self.context_spec))
 
     def contexts(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Context[Any], ...]:
-        return tuple(Cache(v) if is_cache else Constant(v) for v, is_cache in zip(self.values(tensors), self.mask))
+        return tuple(kind(v) for v, kind in zip(self.values(tensors), self.kinds))
 
     def y_tree(self, leaves: tuple[torch.Tensor, ...]) -> Any:
         assert self.y_spec is not None
@@ -282,7 +288,7 @@ def _refuse_context_derivative(layout: _Layout, needs: tuple[bool, ...] | None, 
         if need:
             raise ValueError(
                 f"DifferentiateWith({layout.owner.backend!r}): a {what} was asked for a tensor in context "
-                f"{context} ({'Cache' if layout.mask[context - 1] else 'Constant'}), but only x is "
+                f"{context} ({layout.kinds[context - 1].__name__}), but only x is "
                 "differentiated. Put that tensor into x (a dict or tuple of tensors) or pass it detached."
             )
 
@@ -328,6 +334,7 @@ class _BatchedLayout(_Layout):
             layout.context_leaves,
             layout.slots,
             layout.mask,
+            layout.kinds,
             layout.context_of_slot,
         )
         self.y_spec = layout.y_spec
@@ -350,6 +357,15 @@ def _join_results(layout: _Layout, results: tuple[Any, ...]) -> tuple[torch.Tens
     return _flat(results[0])
 
 
+def _read_only(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``f`` must not write into, named: ``x``'s leaves and the ``Constant``s' tensors."""
+    watched = [(f"x (leaf {i})" if layout.n_x > 1 else "x", t) for i, t in enumerate(tensors[: layout.n_x])]
+    for context, t in zip(layout.context_of_slot, tensors[layout.n_x : layout.n_primal]):
+        if layout.kinds[context - 1] is Constant:
+            watched.append((f"context {context} (Constant)", t))
+    return watched
+
+
 def _unsupported(what: str, layout: _Layout) -> UnsupportedOperatorError:
     return UnsupportedOperatorError(
         f"DifferentiateWith({layout.owner.backend!r}): {what} through DifferentiateWith is not supported "
@@ -364,8 +380,16 @@ class _Value(torch.autograd.Function):
     @staticmethod
     def forward(layout: _Layout, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         bound = bind_contexts(layout.owner.f, layout.mask)
+        watched = _read_only(layout, tensors)
+        versions = [t._version for _, t in watched]
         with torch.no_grad():
             y = bound(layout.x(tensors), layout.values(tensors))
+        written = [name for (name, t), version in zip(watched, versions) if t._version != version]
+        if written:
+            raise ValueError(
+                f"DifferentiateWith: f wrote in place into {', '.join(written)}. x and Constants must not "
+                "be modified (the backend evaluates f again to differentiate it); use a Cache for scratch space."
+            )
         leaves, spec = pytree.tree_flatten(y)
         if not leaves or not all(isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()) for leaf in leaves):
             raise TypeError(
