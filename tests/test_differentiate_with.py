@@ -320,3 +320,17 @@ def test_unsupported_combinations(x):
         torch.func.jacfwd(torch.func.jacfwd(g))(x)
     with pytest.raises(td.UnsupportedOperatorError, match="third-order"):
         torch.func.jacrev(torch.func.hessian(lambda z: g(z).sum()))(x)
+
+
+def test_eager_forward_ad_and_compiled_outer(x):
+    import torch.autograd.forward_ad as fwAD
+
+    g = td.DifferentiateWith(torch.sin, td.AutoFiniteDiff())
+    v = torch.randn(4, dtype=torch.float64)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(g(fwAD.make_dual(x, v))).tangent
+    torch.testing.assert_close(tangent, torch.cos(x) * v, **TOL)
+    compiled = torch.compile(lambda z: g(z * 2.0).sum(), backend="aot_eager")
+    xr = x.clone().requires_grad_()
+    compiled(xr).backward()
+    torch.testing.assert_close(xr.grad, 2.0 * torch.cos(2.0 * x), **TOL)
