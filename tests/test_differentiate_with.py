@@ -246,6 +246,11 @@ def test_compiled_piece_in_eager_model_matches_eager():
     for p, q in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(p, q)
     assert compiled.num_compilations == 1  # compiled at the first backward, never again
+    # Cotangents of other layouts (expanded by sum(), transposed) do not recompile either.
+    h = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    compiled(h, td.Constant(2.0)).sum().backward()
+    (compiled(h, td.Constant(2.0)).T * torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+    assert compiled.num_compilations == 2  # one new signature (h's shape), compiled once
 
 
 def test_nested_in_torchdi(x):
@@ -298,9 +303,11 @@ def test_errors(x):
     g = td.DifferentiateWith(f, td.AutoFunc())
     with pytest.raises(TypeError, match=r"argument 2 \(context 0\) must be wrapped"):
         g(x, 2.0)
-    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+    with pytest.raises(TypeError, match="x must be a real floating-point tensor"):
         g(torch.ones(3, dtype=torch.int64), td.Constant(1.0))
-    with pytest.raises(TypeError, match="f must return a floating-point tensor"):
+    with pytest.raises(TypeError, match="complex x is not supported"):
+        g(torch.ones(3, dtype=torch.complex64), td.Constant(1.0))
+    with pytest.raises(TypeError, match="f must return a real floating-point tensor"):
         td.DifferentiateWith(lambda z: z.argmax(), td.AutoFunc())(x)
     weights = torch.ones(4, dtype=torch.float64, requires_grad=True)
     y = td.DifferentiateWith(lambda z, w: z * w, td.AutoFunc())(x.clone().requires_grad_(), td.Constant(weights))

@@ -190,9 +190,10 @@ def _x_leaves(x: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
     if not leaves:
         raise ValueError(f"DifferentiateWith: x must contain at least one tensor, got {x!r}")
     for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             raise TypeError(
-                "DifferentiateWith: x must be a floating-point tensor or a dict/list/tuple of them; "
+                "DifferentiateWith: x must be a real floating-point tensor or a dict/list/tuple of them "
+                "(complex x is not supported yet); "
                 f"found a leaf of type {type(leaf).__name__}"
                 + (f" and dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else "")
                 + ". Pass other arguments as torchdi.Constant(...) contexts."
@@ -270,6 +271,12 @@ class _Layout:
     @property
     def n_primal(self) -> int:
         return self.n_x + self.n_context
+
+
+def _contiguous(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """What the backend gets: cotangents from autograd are often expanded (``y.sum().backward()``)
+    or transposed, and a compiled backend guards on strides; one layout means one compilation."""
+    return tuple(t.contiguous() for t in tensors)
 
 
 def _flat(tree: Any) -> tuple[torch.Tensor, ...]:
@@ -391,9 +398,10 @@ class _Value(torch.autograd.Function):
                 "be modified (the backend evaluates f again to differentiate it); use a Cache for scratch space."
             )
         leaves, spec = pytree.tree_flatten(y)
-        if not leaves or not all(isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()) for leaf in leaves):
+        if not leaves or not all(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
             raise TypeError(
-                f"DifferentiateWith: f must return a floating-point tensor or a pytree of them, got {type(y).__name__}"
+                "DifferentiateWith: f must return a real floating-point tensor or a pytree of them "
+                f"(complex outputs are not supported yet), got {type(y).__name__}"
                 + (f" with dtypes {[getattr(leaf, 'dtype', type(leaf).__name__) for leaf in leaves]}" if leaves else "")
             )
         layout.y_spec, layout.n_y = spec, len(leaves)
@@ -433,6 +441,7 @@ class _Pullback(torch.autograd.Function):
 
     @staticmethod
     def forward(layout: _Layout, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tensors = _contiguous(tensors)
         n = layout.n_primal
         ty = _split_tangents(layout, tensors[n:], layout.y_tree)
         results = layout.owner._pullback(layout.x(tensors), ty, layout.contexts(tensors))
@@ -498,6 +507,7 @@ class _Pushforward(torch.autograd.Function):
 
     @staticmethod
     def forward(layout: _Layout, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tensors = _contiguous(tensors)
         n = layout.n_primal
         tx = _split_tangents(layout, tensors[n:], layout.x_tree)
         results = layout.owner._pushforward(layout.x(tensors), tx, layout.contexts(tensors))
@@ -538,6 +548,7 @@ class _Hvp(torch.autograd.Function):
 
     @staticmethod
     def forward(layout: _Layout, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tensors = _contiguous(tensors)
         n = layout.n_primal
         u = layout.y_tree(tensors[n : n + layout.n_y])
         (hv,) = layout.owner._hvp(layout.x(tensors), u, (layout.x_tree(tensors[n + layout.n_y :]),), layout.contexts(tensors))
