@@ -4,6 +4,7 @@ autograd, torch.func and torchdi itself."""
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import numpy as np
@@ -341,3 +342,15 @@ def test_eager_forward_ad_and_compiled_outer(x):
     xr = x.clone().requires_grad_()
     compiled(xr).backward()
     torch.testing.assert_close(xr.grad, 2.0 * torch.cos(2.0 * x), **TOL)
+
+
+def test_warns_about_trainable_tensors_f_holds():
+    layer = nn.Linear(3, 3)
+    with pytest.warns(UserWarning, match="parameter 'weight'"):
+        td.DifferentiateWith(layer, td.AutoFunc())
+    with pytest.warns(UserWarning, match="closure variable 'layer'"):
+        td.DifferentiateWith(lambda h: layer(h), td.AutoFunc())
+    layer.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        td.DifferentiateWith(lambda h: layer(h), td.AutoFunc())

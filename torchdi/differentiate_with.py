@@ -26,6 +26,7 @@ on compiled backends) once per signature.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +90,15 @@ class DifferentiateWith:
                 f"or torchdi.AutoCompile(), got {type(backend).__name__}"
             )
         require_available(backend)
+        hidden = _trainable_state_of(f)
+        if hidden:
+            warnings.warn(
+                f"DifferentiateWith: f holds tensors that require grad ({', '.join(hidden[:5])}"
+                f"{', ...' if len(hidden) > 5 else ''}). Only x is differentiated through DifferentiateWith: "
+                "these get no gradient from it. To train them, pass them in x (e.g. a dict of parameters "
+                "with torch.func.functional_call); to silence this, freeze them (requires_grad_(False)).",
+                stacklevel=2,
+            )
         from torchdi.engines import engine_for
 
         self.f = f
@@ -174,6 +184,26 @@ class DifferentiateWith:
         all_contexts = (Constant(u), *contexts)
         prep = self._prepared("hvp", self._contracted, x, tx, all_contexts)
         return hvp(self._contracted, self.backend, x, tx, *all_contexts, prep=prep)
+
+
+def _trainable_state_of(f: Callable[..., Any]) -> list[str]:
+    """Tensors requiring grad that ``f`` carries (a module's parameters, a bound method's module,
+    closure cells): the outer system cannot reach them, since ``f`` runs without a graph."""
+    owner = getattr(f, "__self__", None) if not isinstance(f, torch.nn.Module) else f
+    found = []
+    if isinstance(owner, torch.nn.Module):
+        found += [f"parameter {name!r}" for name, p in owner.named_parameters() if p.requires_grad]
+    code = getattr(f, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(f, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            found.append(f"closure variable {name!r}")
+        elif isinstance(value, torch.nn.Module) and any(p.requires_grad for p in value.parameters()):
+            found.append(f"parameters of closure variable {name!r}")
+    return found
 
 
 def _contraction(f: Callable[..., Any]) -> Callable[..., torch.Tensor]:
