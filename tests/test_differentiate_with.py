@@ -354,3 +354,17 @@ def test_warns_about_trainable_tensors_f_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         td.DifferentiateWith(lambda h: layer(h), td.AutoFunc())
+
+
+@pytest.mark.slow
+def test_nested_in_a_compiled_torchdi_backend(x):
+    inner = td.DifferentiateWith(lambda z: torch.exp(z).sum(), td.AutoFiniteDiff())
+
+    def outer(z):
+        return inner(z * 2.0) ** 2
+
+    expected = td.gradient(lambda z: torch.exp(z * 2.0).sum() ** 2, td.AutoAutograd(), x)
+    broken = td.AutoCompile(compiler="aot_eager", fullgraph=False)  # g is a graph break
+    torch.testing.assert_close(td.gradient(outer, broken, x), expected, **TOL)
+    with pytest.raises(RuntimeError, match="custom jvp"):
+        td.gradient(outer, td.AutoCompile(compiler="aot_eager"), x)
