@@ -36,6 +36,9 @@ def x() -> torch.Tensor:
 def test_value_is_f(x):
     g = td.DifferentiateWith(f, td.AutoFiniteDiff())
     assert torch.equal(g(x, td.Constant(2.0)), f(x, 2.0))
+    with torch.no_grad():
+        y = g(x.clone().requires_grad_(), td.Constant(2.0))
+    assert y.grad_fn is None and g.num_preparations == 0  # inference: no graph, nothing prepared
     pair = td.DifferentiateWith(lambda z: {"s": z.sin(), "c": (z.cos(), z * 2)}, td.AutoFunc())(x)
     assert torch.equal(pair["s"], x.sin()) and torch.equal(pair["c"][1], x * 2)
 

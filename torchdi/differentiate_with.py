@@ -32,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import _BACKEND_TYPES, Backend, require_available
@@ -122,9 +124,13 @@ class DifferentiateWith:
         values, mask = unwrap_contexts(contexts, "DifferentiateWith", first_position=2)
         kinds = tuple(type(c) for c in contexts)
         x_leaves, x_spec = _x_leaves(x)
-        context_leaves, context_spec = pytree.tree_flatten(values)
+        context_spec: pytree.TreeSpec | None
+        if all(isinstance(value, torch.Tensor) for value in values):  # the common case, without pytree
+            context_leaves, context_spec, owners = list(values), None, list(range(1, len(values) + 1))
+        else:
+            context_leaves, context_spec = pytree.tree_flatten(values)
+            owners = [i + 1 for i, value in enumerate(values) for _ in pytree.tree_leaves(value)]
         slots = tuple(i for i, leaf in enumerate(context_leaves) if isinstance(leaf, torch.Tensor))
-        owners = [i + 1 for i, value in enumerate(values) for _ in pytree.tree_leaves(value)]
         layout = _Layout(
             self,
             x_spec,
@@ -137,7 +143,10 @@ class DifferentiateWith:
             tuple(owners[slot] for slot in slots),
         )
         tensors = (*x_leaves, *(context_leaves[i] for i in slots))
-        outputs = _Value.apply(layout, *tensors)
+        if _differentiable(tensors):
+            outputs = _apply(_Value, layout, *tensors)
+        else:  # nothing can differentiate this call: no Function, no graph
+            outputs = _evaluate(layout, tensors)
         assert layout.y_spec is not None
         return pytree.tree_unflatten(list(outputs), layout.y_spec)
 
@@ -258,7 +267,7 @@ class _Layout:
         owner: DifferentiateWith,
         x_spec: pytree.TreeSpec,
         n_x: int,
-        context_spec: pytree.TreeSpec,
+        context_spec: pytree.TreeSpec | None,
         context_leaves: list[Any],
         slots: tuple[int, ...],
         mask: tuple[bool, ...],
@@ -286,6 +295,8 @@ class _Layout:
         leaves = list(self.context_leaves)
         for slot, tensor in zip(self.slots, tensors[self.n_x : self.n_x + self.n_context]):
             leaves[slot] = tensor
+        if self.context_spec is None:  # every context is a tensor
+            return tuple(leaves)
         return tuple(pytree.tree_unflatten(leaves, self.context_spec))
 
     def contexts(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Context[Any], ...]:
@@ -336,7 +347,7 @@ def _loop_vmap(function: Any, info: Any, in_dims: tuple[Any, ...], layout: _Layo
     results = []
     for b in range(info.batch_size):
         sliced = tuple(t if d is None else t.select(d, b) for t, d in zip(tensors, dims))
-        results.append(function.apply(layout, *sliced))
+        results.append(_apply(function, layout, *sliced))
     outputs = tuple(torch.stack(column) for column in zip(*results))
     return outputs, (0,) * len(outputs)
 
@@ -353,7 +364,7 @@ def _tangent_batch_vmap(
     tangents = tuple(
         t.unsqueeze(0).expand(size, *t.shape) if d is None else t.movedim(d, 0) for t, d in zip(tensors[n_fixed:], dims[n_fixed:])
     )
-    outputs = function.apply(_BatchedLayout(layout, size), *tensors[:n_fixed], *tangents)
+    outputs = _apply(function, _BatchedLayout(layout, size), *tensors[:n_fixed], *tangents)
     return outputs, (0,) * len(outputs)
 
 
@@ -411,33 +422,61 @@ def _unsupported(what: str, layout: _Layout) -> UnsupportedOperatorError:
     )
 
 
+def _evaluate(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``f``'s output leaves, without a graph; records ``y``'s structure in ``layout``."""
+    bound = bind_contexts(layout.owner.f, layout.mask)
+    watched = _read_only(layout, tensors)
+    versions = [t._version for _, t in watched]
+    with torch.no_grad():
+        y = bound(layout.x(tensors), layout.values(tensors))
+    written = [name for (name, t), version in zip(watched, versions) if t._version != version]
+    if written:
+        raise ValueError(
+            f"DifferentiateWith: f wrote in place into {', '.join(written)}. x and Constants must not "
+            "be modified (the backend evaluates f again to differentiate it); use a Cache for scratch space."
+        )
+    leaves, spec = pytree.tree_flatten(y)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
+        raise TypeError(
+            "DifferentiateWith: f must return a real floating-point tensor or a pytree of them "
+            f"(complex outputs are not supported yet), got {type(y).__name__}"
+            + (f" with dtypes {[getattr(leaf, 'dtype', type(leaf).__name__) for leaf in leaves]}" if leaves else "")
+        )
+    layout.y_spec, layout.n_y = spec, len(leaves)
+    return tuple(leaves)
+
+
+def _differentiable(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether anything may differentiate a call on ``tensors``: a torch.func transform, forward-mode
+    AD, or eager autograd with an input that requires grad."""
+    if torch._C._are_functorch_transforms_active() or _forward_ad_level() >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _forward_ad_level() -> int:
+    return int(getattr(fwAD, "_current_level", -1))
+
+
+def _apply(function: Any, *args: Any) -> Any:
+    """``function.apply(*args)``. Outside torch.func transforms, ``Function.apply`` only binds
+    default arguments with ``inspect.signature`` (70 us per call for setup_context-style Functions,
+    which have none here) before the C++ apply: call that directly. Under a transform the full path
+    (``custom_function_call``) is needed."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+
+
 class _Value(torch.autograd.Function):
     """``f(x, *contexts)``; backward: the backend's pullback, jvp: its pushforward."""
 
     @staticmethod
     def forward(layout: _Layout, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bound = bind_contexts(layout.owner.f, layout.mask)
-        watched = _read_only(layout, tensors)
-        versions = [t._version for _, t in watched]
-        with torch.no_grad():
-            y = bound(layout.x(tensors), layout.values(tensors))
-        written = [name for (name, t), version in zip(watched, versions) if t._version != version]
-        if written:
-            raise ValueError(
-                f"DifferentiateWith: f wrote in place into {', '.join(written)}. x and Constants must not "
-                "be modified (the backend evaluates f again to differentiate it); use a Cache for scratch space."
-            )
-        leaves, spec = pytree.tree_flatten(y)
-        if not leaves or not all(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
-            raise TypeError(
-                "DifferentiateWith: f must return a real floating-point tensor or a pytree of them "
-                f"(complex outputs are not supported yet), got {type(y).__name__}"
-                + (f" with dtypes {[getattr(leaf, 'dtype', type(leaf).__name__) for leaf in leaves]}" if leaves else "")
-            )
-        layout.y_spec, layout.n_y = spec, len(leaves)
+        outputs = _evaluate(layout, tensors)
         # An output that is an input (f = identity) must be a new tensor for autograd.
         inputs = {id(t) for t in tensors}
-        return tuple(leaf.clone() if id(leaf) in inputs else leaf for leaf in leaves)
+        return tuple(leaf.clone() if id(leaf) in inputs else leaf for leaf in outputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -450,7 +489,7 @@ class _Value(torch.autograd.Function):
         layout: _Layout = ctx.layout
         _refuse_context_derivative(layout, tuple(ctx.needs_input_grad[1 + layout.n_x :]), "gradient")
         primals = ctx.saved_tensors
-        dx = _Pullback.apply(layout, *primals, *cotangents)
+        dx = _apply(_Pullback, layout, *primals, *cotangents)
         return (None, *dx, *(None,) * layout.n_context)
 
     @staticmethod
@@ -459,7 +498,7 @@ class _Value(torch.autograd.Function):
         _refuse_context_derivative(layout, tuple(t is not None for t in tangents[1 + layout.n_x :]), "forward-mode derivative")
         primals = ctx.saved_tensors
         tx = _zeros_for_none(tangents[1 : 1 + layout.n_x], primals[: layout.n_x])
-        return tuple(_Pushforward.apply(layout, *primals, *tx))
+        return tuple(_apply(_Pushforward, layout, *primals, *tx))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], layout: _Layout, *tensors: torch.Tensor) -> tuple[Any, Any]:
@@ -493,7 +532,7 @@ class _Pullback(torch.autograd.Function):
         dx = _hvp_terms(layout, primals, u, w)
         if isinstance(layout, _BatchedLayout):
             dx = tuple(d.sum(0) for d in dx)  # x is shared by the batch
-        du = _Pushforward.apply(layout, *primals, *w)
+        du = _apply(_Pushforward, layout, *primals, *w)
         return (None, *dx, *(None,) * layout.n_context, *du)
 
     @staticmethod
@@ -508,7 +547,7 @@ class _Pullback(torch.autograd.Function):
         if any(t is not None for t in tx):
             terms.append(_hvp_terms(layout, primals, u, _zeros_for_none(tx, primals[: layout.n_x]), shared=True))
         if any(t is not None for t in tu):
-            terms.append(_Pullback.apply(layout, *primals, *_zeros_for_none(tu, u)))
+            terms.append(_apply(_Pullback, layout, *primals, *_zeros_for_none(tu, u)))
         if not terms:
             return tuple(torch.zeros_like(p) for p in primals[: layout.n_x])
         return tuple(sum(column) for column in zip(*terms))
@@ -523,10 +562,10 @@ def _hvp_terms(layout: _Layout, primals: tuple[torch.Tensor, ...], u: tuple[torc
     """``∇²<u, f>(x) v`` for a plain layout; for a batched one, the batch of ``∇²<u_i, f>(x) v_i``
     (``shared``: one ``v`` for every ``u_i``)."""
     if not isinstance(layout, _BatchedLayout):
-        return tuple(_Hvp.apply(layout, *primals, *u, *v))
+        return tuple(_apply(_Hvp, layout, *primals, *u, *v))
     base = layout.inner
     rows = [
-        _Hvp.apply(base, *primals, *(leaf[i] for leaf in u), *(v if shared else tuple(leaf[i] for leaf in v)))
+        _apply(_Hvp, base, *primals, *(leaf[i] for leaf in u), *(v if shared else tuple(leaf[i] for leaf in v)))
         for i in range(layout.count)
     ]
     return tuple(torch.stack(column) for column in zip(*rows))
@@ -559,8 +598,8 @@ class _Pushforward(torch.autograd.Function):
             dx = _hvp_terms(layout, primals, u, v)
             dx = tuple(d.sum(0) for d in dx)  # x is shared by the batch
         else:
-            dx = tuple(_Hvp.apply(layout, *primals, *u, *v))
-        dv = _Pullback.apply(layout, *primals, *u)
+            dx = tuple(_apply(_Hvp, layout, *primals, *u, *v))
+        dv = _apply(_Pullback, layout, *primals, *u)
         return (None, *dx, *(None,) * layout.n_context, *dv)
 
     @staticmethod
