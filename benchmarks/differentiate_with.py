@@ -1,6 +1,6 @@
 """What ``DifferentiateWith`` costs and buys in a training step (forward + ``backward()``).
 
-    .venv/bin/python benchmarks/differentiate_with.py [--rounds 15] [--compiler inductor] [--threads 1]
+    .venv/bin/python benchmarks/differentiate_with.py [--rounds 15] [--compiler inductor] [--threads 1] [--clock cpu]
 
 1. Overhead, on a small piece (a 64x64 tanh layer on a batch of 32): plain eager autograd through
    the piece; the ``torch.autograd.Function`` a user would write by hand for "forward without a
@@ -26,18 +26,18 @@ import torch
 import torchdi as td
 
 
-def _per_call(fn: Callable[[], Any], min_time: float = 0.02) -> Callable[[], float]:
+def _per_call(fn: Callable[[], Any], clock: Callable[[], float], min_time: float = 0.02) -> Callable[[], float]:
     for _ in range(5):
         fn()
-    start = time.perf_counter()
+    start = clock()
     fn()
-    number = max(1, int(min_time / max(time.perf_counter() - start, 1e-7)))
+    number = max(1, int(min_time / max(clock() - start, 1e-7)))
 
     def measure() -> float:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(number):
             fn()
-        return (time.perf_counter() - start) / number
+        return (clock() - start) / number
 
     return measure
 
@@ -103,11 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--compiler", default="inductor")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable medians on a shared machine)")
+    parser.add_argument(
+        "--clock", choices=["cpu", "wall"], default="cpu",
+        help="cpu: this process's CPU time, steady when other jobs share the cores (with one thread it is the "
+        "wall time of an idle machine); wall: time.perf_counter",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{'scenario':<30} {'implementation':<36} {'median per step':>16} {'vs eager':>9}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"{'scenario':<30} {'implementation':<36} {'median per step (' + args.clock + ')':>22} {'vs eager':>9}")
     for scenario, impls in cases(args.compiler).items():
-        measures = {name: _per_call(fn) for name, fn in impls.items()}
+        measures = {name: _per_call(fn, clock) for name, fn in impls.items()}
         samples: dict[str, list[float]] = {name: [] for name in impls}
         for r in range(args.rounds):
             names = list(measures)
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = statistics.median(samples["eager autograd"])
         for name, values in samples.items():
             median = statistics.median(values)
-            print(f"{scenario:<30} {name:<36} {median * 1e6:>13.1f} us {median / eager:>8.2f}x")
+            print(f"{scenario:<30} {name:<36} {median * 1e6:>19.1f} us {median / eager:>8.2f}x")
         print()
     return 0
 
