@@ -75,18 +75,33 @@ def test_torch_func_transforms(backend, x):
     torch.testing.assert_close(per_sample, torch.stack([df_dx(b, 2.0).sum(0) for b in batch]), **TOL)
 
 
-def test_pytree_x_and_output():
+@pytest.mark.parametrize("backend", [td.AutoFunc(), td.AutoFiniteDiff()], ids=["func", "finitediff"])
+def test_pytree_x_and_output(backend):
     def h(p, scale):
         return {"prod": p["a"] * p["b"] * scale, "sum": p["a"].sum()}
 
-    g = td.DifferentiateWith(h, td.AutoFunc())
-    p = {"a": torch.randn(3, requires_grad=True), "b": torch.randn(3, requires_grad=True)}
+    def reference(p):
+        return h(p, 2.0)
+
+    g = td.DifferentiateWith(h, backend)
+    p = {"a": torch.randn(3, dtype=torch.float64, requires_grad=True), "b": torch.randn(3, dtype=torch.float64, requires_grad=True)}
     out = g(p, td.Constant(2.0))
     (out["prod"].sum() + out["sum"]).backward()
-    torch.testing.assert_close(p["a"].grad, 2 * p["b"].detach() + 1)
-    torch.testing.assert_close(p["b"].grad, 2 * p["a"].detach())
-    grads = torch.func.grad(lambda q: g(q, td.Constant(2.0))["prod"].sum())({k: v.detach() for k, v in p.items()})
-    torch.testing.assert_close(grads["a"], 2 * p["b"].detach())
+    torch.testing.assert_close(p["a"].grad, 2 * p["b"].detach() + 1, **TOL)
+    torch.testing.assert_close(p["b"].grad, 2 * p["a"].detach(), **TOL)
+    q = {k: v.detach() for k, v in p.items()}
+    t = {k: torch.randn_like(v) for k, v in q.items()}
+
+    def through_g(p_):
+        return g(p_, td.Constant(2.0))
+
+    torch.testing.assert_close(torch.func.jvp(through_g, (q,), (t,))[1], torch.func.jvp(reference, (q,), (t,))[1], **TOL)
+    torch.testing.assert_close(torch.func.jacrev(through_g)(q), torch.func.jacrev(reference)(q), **TOL)
+    torch.testing.assert_close(
+        torch.func.hessian(lambda p_: through_g(p_)["prod"].sum())(q),
+        torch.func.hessian(lambda p_: reference(p_)["prod"].sum())(q),
+        atol=1e-6, rtol=1e-6,
+    )
 
 
 def test_cache_and_float_constant_change_without_new_preparation(x):
