@@ -15,6 +15,7 @@ from torchdi.backends import (
     check_available,
 )
 from torchdi.contexts import Cache, Constant
+from torchdi.differentiate_with import DifferentiateWith
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
 from torchdi.operators import (
     derivative,
@@ -56,6 +57,7 @@ __all__ = [
     "BackendUnavailableError",
     "Cache",
     "Constant",
+    "DifferentiateWith",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
