@@ -163,6 +163,16 @@ class Prep:
         self.keep_static = keep_static
         self.output_shape = output_shape
 
+    def __getattr__(self, name: str) -> Any:
+        # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
+        try:
+            published = object.__getattribute__(self, "runner").published
+        except AttributeError:
+            published = {}
+        if name in published:
+            return published[name]
+        raise AttributeError(f"'Prep' object has no attribute {name!r}")
+
     @property
     def num_compilations(self) -> int:
         return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
