@@ -135,6 +135,7 @@ class IndexSets:
             torch.from_numpy(self.indices.copy()),
             torch.ones(self.nnz, dtype=torch.bool),
             (self.nrows, self.ncols),
+            check_invariants=False,
         )
 
     def __eq__(self, other: object) -> bool:

@@ -102,7 +102,16 @@ def trace_sparsity(
     tensors = [leaves[i].detach().clone() for i in slots]
     x = x.detach().clone()
     with torch.enable_grad() if hessian else torch.no_grad():
-        graph = make_fx(functionalize(traced, remove="mutations_and_views"), tracing_mode="real")(x, *tensors)
+        try:
+            graph = make_fx(functionalize(traced, remove="mutations_and_views"), tracing_mode="real")(x, *tensors)
+        except Exception as error:
+            raise RuntimeError(
+                "TracerSparsity: cannot trace f into an aten graph: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}\n"
+                "Data-dependent Python control flow (if on a tensor value, .item(), .tolist()) cannot be "
+                "traced for a global pattern. Use DenseSparsity() (a local pattern at the preparation point) "
+                "or KnownSparsity(pattern)."
+            ) from error
         interpreter = _Interpreter(graph, x.numel())
         return interpreter.run(x, tensors)
 
@@ -289,6 +298,8 @@ class _Interpreter:
         (ref_pos, ref_kw) = refs
         if name in _SAME_SETS and isinstance(value, torch.Tensor) and value.shape == positional[0].shape:
             return _Ref(_Store(ref_pos[0].sets(), fixed))
+        if name == "copy" and isinstance(ref_pos[1], _Ref):  # functionalized copy_: the source, broadcast
+            return _Ref(_Store(self.broadcast(ref_pos[1], positional[1], value.shape), ref_pos[1].fixed))
         if name == "where" and len(positional) == 3:
             cond = ref_pos[0]
             if isinstance(cond, _Ref) and not cond.fixed:
