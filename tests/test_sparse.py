@@ -107,7 +107,7 @@ def test_tracer_refuses_data_dependent_control_flow_clearly():
     def f(x):
         return x * 2 if x.sum() > 0 else x
 
-    with pytest.raises(RuntimeError, match="(?s)TracerSparsity: cannot trace f.*DenseSparsity"):
+    with pytest.raises(RuntimeError, match=r"(?s)TracerSparsity: cannot trace f.*DenseSparsity"):
         torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(3))
     prep = torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.DenseSparsity()), torch.ones(3))
     assert prep.ncolors == 1
@@ -275,7 +275,7 @@ def test_out_is_filled_in_place():
     _, jac = torchdi.value_and_jacobian(brusselator, backend, x, prep=prep, out=out)
     assert jac is out and torch.allclose(out.to_dense(), dense_jacobian(brusselator, x))
     wrong = torch.eye(128, dtype=torch.float64).to_sparse_csr()
-    with pytest.raises(ValueError, match="same\\s+sparsity pattern"):
+    with pytest.raises(ValueError, match=r"same\s+sparsity pattern"):
         torchdi.jacobian(brusselator, backend, x, prep=prep, out=wrong)
 
 

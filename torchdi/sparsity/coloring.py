@@ -100,28 +100,34 @@ def _smallest_last(graph: IndexSets) -> np.ndarray:
     return np.array(removal[::-1], dtype=np.int64)
 
 
-def _greedy(graph: IndexSets, order: np.ndarray) -> np.ndarray:
-    """Smallest colour not used by an already coloured neighbour, vertex by vertex in ``order``."""
-    n = graph.nrows
-    indptr, indices = graph.indptr.tolist(), graph.indices.tolist()
-    color = [-1] * n
-    mark = [-1] * (int(graph.row_lengths.max(initial=0)) + 2)
-    for v in order.tolist():
-        for w in indices[indptr[v] : indptr[v + 1]]:
-            c = color[w]
-            if c >= 0:
-                mark[c] = v
-        c = 0
-        while mark[c] == v:
-            c += 1
-        color[v] = c
-    return np.array(color, dtype=np.int64)
-
-
 def column_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
-    """A partial distance-2 colouring of the columns of ``pattern``: columns sharing a row differ."""
-    graph = conflict_graph(pattern)
-    return _greedy(graph, vertex_order(graph, coloring.order, coloring.seed))
+    """A partial distance-2 colouring of the columns of ``pattern``: columns sharing a row differ.
+
+    The sweep never builds the column conflict graph (``rows x row length^2`` pairs): each row
+    keeps the set of colours already used in it as the bits of a Python int, so colouring a
+    column costs two passes over its own rows. Only the degree-based orders build the graph.
+    """
+    n = pattern.ncols
+    if coloring.order == "natural":
+        order = np.arange(n, dtype=np.int64)
+    elif coloring.order == "random":
+        order = np.random.default_rng(coloring.seed).permutation(n).astype(np.int64)
+    else:
+        order = vertex_order(conflict_graph(pattern), coloring.order, coloring.seed)
+    by_column = pattern.transpose()
+    indptr, rows_of = by_column.indptr.tolist(), by_column.indices.tolist()
+    used = [0] * pattern.nrows  # bit c of used[r]: colour c is taken in row r
+    color = [0] * n
+    for v in order.tolist():
+        rows = rows_of[indptr[v] : indptr[v + 1]]
+        taken = 0
+        for r in rows:
+            taken |= used[r]
+        bit = ~taken & (taken + 1)  # the lowest colour not taken
+        color[v] = bit.bit_length() - 1
+        for r in rows:
+            used[r] |= bit
+    return np.array(color, dtype=np.int64)
 
 
 def jacobian_recovery(pattern: IndexSets, colors: np.ndarray, by_rows: bool) -> np.ndarray:
