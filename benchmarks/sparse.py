@@ -127,6 +127,8 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
     dense_backend = torchdi.AutoCompile(compiler=compiler)
     sparse_backend = torchdi.AutoSparse(dense_backend)
     repeats = 7 if quick else 15
+    # The first trace in a process pays make_fx's imports and warm-up (seconds): not per function.
+    torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(3))
     rows = []
     for op, name, f, x in scenarios(quick):
         progress(f"{op}: {name}")

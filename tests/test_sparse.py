@@ -377,3 +377,10 @@ def test_pattern_covers_dense_nonzeros(case, seed):
     pattern = prep.sparsity_pattern.to_dense()
     assert not ((dense != 0) & ~pattern).any()
     assert torch.allclose(jac.to_dense(), dense)
+
+
+def test_sparse_benchmark_is_a_bench_suite():
+    import torchdi.__main__ as cli
+
+    assert cli.build_parser().parse_args(["bench", "--suite", "sparse"]).suite == "sparse"
+    assert callable(cli._benchmark_main("sparse"))

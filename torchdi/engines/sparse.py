@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from torchdi.backends import AutoSparse
-from torchdi.runners import BoundFunction, Spec, build_runner, outer_inner, replace_spec
+from torchdi.backends import AutoAutograd, AutoSparse
+from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
 from torchdi.sparsity.coloring import (
     color_groups,
     column_coloring,
@@ -122,8 +122,14 @@ class SparseRunner:
             reverse_ok = "pullback" in self.dense_native or "pushforward" not in self.dense_native
             columns = column_coloring(pattern, self.backend.coloring) if forward_ok else None
             rows = column_coloring(pattern.transpose(), self.backend.coloring) if reverse_ok else None
-            # Forward mode (column colouring) unless reverse mode needs fewer passes.
-            if columns is not None and (rows is None or columns.max(initial=-1) <= rows.max(initial=-1)):
+            # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
+            # whose forward mode is a double backward (twice the work, and not compilable).
+            prefer_reverse = _base(self.backend.dense) is AutoAutograd
+            if columns is not None and (
+                rows is None
+                or columns.max(initial=-1) < rows.max(initial=-1)
+                or (columns.max(initial=-1) == rows.max(initial=-1) and not prefer_reverse)
+            ):
                 colors, mode = columns, "forward"
             else:
                 assert rows is not None
