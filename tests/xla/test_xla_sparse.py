@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("torch_xla", reason="AutoXLA needs torch-xla (the .venv-xla environment)")
 
-import torchdi as td  # noqa: E402
-from torchdi.testing.sparse_scenarios import brusselator, chained_rosenbrock  # noqa: E402
+import torchdi as td
+from torchdi.testing.sparse_scenarios import brusselator, chained_rosenbrock
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 
