@@ -384,3 +384,10 @@ def test_sparse_benchmark_is_a_bench_suite():
 
     assert cli.build_parser().parse_args(["bench", "--suite", "sparse"]).suite == "sparse"
     assert callable(cli._benchmark_main("sparse"))
+
+
+def test_sparse_scenarios_pass_test_differentiation():
+    # Prepared at one point, run at another, inputs intact, no recompilation, no reference kept.
+    from torchdi.testing import test_differentiation
+
+    test_differentiation([torchdi.AutoSparse(torchdi.AutoFunc())], sparse_scenarios(sizes=(8,)), rtol=1e-6, atol=1e-8)
