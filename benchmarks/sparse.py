@@ -5,7 +5,8 @@ the prepared sparse call and the prepared dense call on the same dense backend (
 interleaved repeats in one process, after one untimed call), their ratio, and asdex (JAX) on the
 same function when ``jax`` and ``asdex`` are importable. Every sparse result is checked against
 the dense one (``ok``); a dense matrix too big to allocate is left out (``-``). The last rows time
-the colouring alone on a 10^5 x 10^5 banded pattern (5 non-zeros per row), per vertex order.
+the colouring alone on a 10^5 x 10^5 banded pattern (5 non-zeros per row), per vertex order
+(wall time, and in parentheses the process's CPU time, which a busy shared machine inflates less).
 
 Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]`` or
 ``python -m torchdi bench --suite sparse`` (quick). ``--readme`` writes the table between the
@@ -174,15 +175,16 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
     banded = IndexSets.from_pairs(i[keep], j[keep], n, n)
     for order in ("natural", "largest_first", "smallest_last", "random"):
         progress(f"colouring 1e5 banded, {order}")
-        seconds, colors = [], None
+        seconds, cpu_seconds, colors = [], [], None
         for _ in range(3):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             colors = column_coloring(banded, GreedyColoring(order))
             seconds.append(time.perf_counter() - start)
+            cpu_seconds.append(time.process_time() - cpu_start)
         assert colors is not None
         rows.append({
             "operator": "colouring", "scenario": f"banded 1e5, {order}", "size": f"{n} x {n}", "detect": "-",
-            "colour": fmt(statistics.median(seconds)), "colours": str(int(colors.max()) + 1), "mode": "columns",
+            "colour": f"{fmt(statistics.median(seconds))} ({fmt(statistics.median(cpu_seconds))} CPU)", "colours": str(int(colors.max()) + 1), "mode": "columns",
             "sparse prep": "-", "sparse call": "-", "dense call": "-", "speed-up": "-", "asdex": "n/a",
             "compiles": "-", "correct": "-",
         })
