@@ -82,13 +82,17 @@ RULE_CASES = {
     "pad-reflect": (lambda x: torch.nn.functional.pad(x.reshape(1, 1, 5), (2, 2), mode="reflect").reshape(-1), torch.rand(5) + 1),
     "cache-write": (lambda x: torch.zeros(4).index_put((torch.tensor([1, 3]),), x[:2] ** 2), torch.rand(4) + 1),
     "scatter-slices": (lambda x: torch.zeros(6).slice_scatter(x[::2], 0, 0, 3), torch.rand(6) + 1),
+    "where-scalar": (lambda x: torch.where(torch.arange(4) % 2 == 0, x, 2.5), torch.rand(4) + 1),
+    "masked-fill": (lambda x: x.masked_fill(torch.tensor([True, False, True, False]), 3.0), torch.rand(4) + 1),
+    "scatter-value": (lambda x: x.scatter(0, torch.tensor([1, 2]), 7.0), torch.rand(4) + 1),
+    "pad-value": (lambda x: torch.nn.functional.pad(x, (1, 2), value=4.0), torch.rand(4) + 1),
 }
 
 
 @pytest.mark.parametrize("case", sorted(RULE_CASES))
 def test_tracer_rules_are_exact(case):
     f, x = RULE_CASES[case]
-    result = traced(f, x.double() if False else x)
+    result = traced(f, x)
     truth = (dense_jacobian(f, x) != 0).numpy()
     assert np.array_equal(result.pattern.to_dense(), truth), case
     assert result.fallbacks == ()

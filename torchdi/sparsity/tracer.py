@@ -233,15 +233,15 @@ class _Interpreter:
     def fallback(self, name: str, value: Any, refs: Any, fixed: bool) -> Any:
         """Every output element depends on every input element."""
         inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
-        union = IndexSets.union([IndexSets(np.array([0, r.sets().nnz], dtype=np.int64), r.sets().indices, self.n) for r in inputs]) if inputs else None
-        if union is not None and union.nnz:
-            union = IndexSets.from_pairs(np.zeros(union.nnz, dtype=np.int64), union.indices, 1, self.n)
+        columns = np.concatenate([r.sets().indices for r in inputs]) if inputs else np.zeros(0, dtype=np.int64)
+        union = IndexSets.from_pairs(np.zeros(columns.size, dtype=np.int64), columns, 1, self.n)  # one row: all of them
+        if union.nnz:
             self.fallbacks.append(name)
 
         def one(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return None
-            if union is None or not (v.is_floating_point() or v.is_complex()) or not union.nnz:
+            if not (v.is_floating_point() or v.is_complex()) or not union.nnz:
                 return _Ref(_Store(self.empty(v.numel()), fixed))
             return _Ref(_Store(union.take(np.zeros(v.numel(), dtype=np.int64)), fixed))
 
@@ -377,8 +377,12 @@ class _Interpreter:
         kw = {k: substitute(v, ref_kw.get(k)) for k, v in keywords.items()}
         if not data:
             return None
-        if name in ("constant_pad_nd", "masked_fill", "scatter", "index_put", "_unsafe_index_put") or name == "fill":
-            pos = [0 if isinstance(a, (int, float)) and not isinstance(a, bool) and i == len(pos) - 1 and name in ("constant_pad_nd", "masked_fill") else a for i, a in enumerate(pos)]
+        # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
+        # input element: it becomes index 0.
+        scalar = {a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments}
+        names = list(scalar)
+        pos = [0 if i < len(names) and scalar[names[i]] and a is not None else a for i, a in enumerate(pos)]
+        kw = {k: 0 if scalar.get(k) and v is not None else v for k, v in kw.items()}
         if name in ("index_put", "_unsafe_index_put") and ((len(pos) > 3 and pos[3]) or kw.get("accumulate")):
             return None
         if name == "scatter" and ("reduce" in kw or len(pos) > 4):
@@ -388,6 +392,9 @@ class _Interpreter:
             moved = target(*pos, **kw)
         except Exception:
             return None
+        results = [t for t in pytree.tree_leaves(moved) if isinstance(t, torch.Tensor)]
+        if any(t.is_floating_point() or t.is_complex() or (t.numel() and (t.min() < 0 or t.max() >= offset[0])) for t in results):
+            return None  # not a pure movement of elements after all: let the dense rule answer
 
         def sets_of(indices: Any) -> IndexSets:
             if varying_index:  # which elements move where depends on values: everything may land anywhere
