@@ -86,6 +86,12 @@ RULE_CASES = {
     "masked-fill": (lambda x: x.masked_fill(torch.tensor([True, False, True, False]), 3.0), torch.rand(4) + 1),
     "scatter-value": (lambda x: x.scatter(0, torch.tensor([1, 2]), 7.0), torch.rand(4) + 1),
     "pad-value": (lambda x: torch.nn.functional.pad(x, (1, 2), value=4.0), torch.rand(4) + 1),
+    "layer-norm": (lambda x: torch.nn.functional.layer_norm(x[:4].reshape(2, 2), (2,), weight=x[4:]).reshape(-1), torch.rand(6)),
+    "index-add": (lambda x: x[:3].index_add(0, torch.tensor([2, 0, 1]), x[3:]), torch.rand(6) + 1),
+    "scatter-add-2d": (
+        lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
+        torch.rand(6) + 1,
+    ),
 }
 
 

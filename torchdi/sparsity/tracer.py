@@ -22,6 +22,9 @@ Rules (the op's first matching rule applies):
   dimensions: the union over the reduced elements;
 - ``mm``/``bmm``/``mv``/``dot``/``addmm``/``baddbmm``: the union over the contracted index, using
   the non-zeros of a fixed operand;
+- ``index_add``/``scatter_add``/``index_reduce``/``scatter_reduce`` with fixed indices: each output
+  element joins the source elements sent to it; ``native_layer_norm``: rows over the normalized
+  dimensions;
 - ``convolution`` (1-d, 2-d, 3-d, groups, stride, padding, dilation), with a fixed kernel's zeros;
 - anything else: every output element depends on every input element of every operand
   (correct, only denser); such ops are listed in ``fallbacks``.
@@ -323,6 +326,14 @@ class _Interpreter:
             sets = self.contraction(name, value, positional, keywords, ref_pos)
             if sets is not None:
                 return _Ref(_Store(sets, fixed))
+        elif name in ("index_add", "scatter_add", "index_reduce", "scatter_reduce"):
+            sets = self.accumulate(name, value, positional, keywords, ref_pos)
+            if sets is not None:
+                return _Ref(_Store(sets, fixed))
+        elif name == "native_layer_norm":
+            sets = self.layer_norm(value, positional, ref_pos)
+            if sets is not None:
+                return tuple(_Ref(_Store(part, fixed)) for part in sets)
         elif name == "convolution":
             sets = self.convolution(value, positional, ref_pos)
             if sets is not None:
@@ -479,6 +490,46 @@ class _Interpreter:
         if bias is not None and isinstance(bias[1], _Ref) and bias[1].store.sets.nnz:
             parts.append(self.broadcast(bias[1], bias[0], value.shape))
         return IndexSets.union(parts) if parts else self.empty(n_out)
+
+    def accumulate(self, name: str, value: torch.Tensor, positional: Any, keywords: Any, ref_pos: Any) -> IndexSets | None:
+        """``index_add``/``scatter_add`` (and their ``reduce`` forms) with fixed indices: each output
+        element joins ``self``'s element and the source elements sent to it."""
+        _, dim, index, source = positional[:4]
+        r_base, _, r_index, r_source = ref_pos[:4]
+        if not (isinstance(r_index, _Ref) and r_index.fixed and isinstance(dim, int)):
+            return None
+        grid = torch.arange(value.numel()).reshape(value.shape)
+        parts = []
+        if isinstance(r_base, _Ref) and r_base.store.sets.nnz:
+            parts.append(r_base.sets())
+        if isinstance(r_source, _Ref) and r_source.store.sets.nnz:
+            sources = r_source.sets()
+            if name.startswith("index_"):
+                owner = grid.index_select(dim, index)  # shaped like the source
+            else:
+                owner = grid.gather(dim, index)  # shaped like the index: source elements beyond it are unused
+                if tuple(index.shape) != tuple(source.shape):
+                    used = torch.arange(source.numel()).reshape(source.shape)[tuple(slice(0, k) for k in index.shape)]
+                    sources = sources.take(used.reshape(-1).numpy())
+            parts.append(sources.group(owner.reshape(-1).numpy(), value.numel()))
+        return IndexSets.union(parts) if parts else self.empty(value.numel())
+
+    def layer_norm(self, value: Any, positional: Any, ref_pos: Any) -> tuple[IndexSets, ...] | None:
+        """``native_layer_norm``: each row over the normalized dimensions mixes; weight and bias per column."""
+        inp, shape, weight, bias = positional[:4]
+        r_in, r_w, r_b = ref_pos[0], ref_pos[2], ref_pos[3]
+        if not isinstance(r_in, _Ref):
+            return None
+        inner = int(np.prod(shape)) if len(shape) else 1
+        rows = inp.numel() // inner
+        owner = np.repeat(np.arange(rows, dtype=np.int64), inner)
+        grouped = r_in.sets().group(owner, rows)
+        parts = [grouped.take(owner)]
+        column = np.tile(np.arange(inner, dtype=np.int64), rows)
+        for tensor, ref in ((weight, r_w), (bias, r_b)):
+            if isinstance(tensor, torch.Tensor) and isinstance(ref, _Ref) and ref.store.sets.nnz:
+                parts.append(ref.sets().take(column))
+        return IndexSets.union(parts), grouped, grouped
 
     def convolution(self, value: torch.Tensor, positional: Any, ref_pos: Any) -> IndexSets | None:
         inp, weight, _, stride, padding, dilation, transposed, _, groups = positional[:9]
