@@ -10,6 +10,7 @@ from torchdi.backends import (
     AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     SecondOrder,
     check_available,
@@ -44,6 +45,7 @@ from torchdi.operators import (
     value_gradient_and_hessian,
 )
 from torchdi.prep import Prep, PreparationMismatchError
+from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
 from torchdi.translate import copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
@@ -53,14 +55,19 @@ __all__ = [
     "AutoCompile",
     "AutoFiniteDiff",
     "AutoFunc",
+    "AutoSparse",
     "AutoXLA",
     "BackendUnavailableError",
     "Cache",
     "Constant",
+    "DenseSparsity",
     "DifferentiateWith",
+    "GreedyColoring",
+    "KnownSparsity",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
+    "TracerSparsity",
     "UnsupportedOperatorError",
     "check_available",
     "copyfrom",

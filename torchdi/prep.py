@@ -169,6 +169,16 @@ class Prep:
         self.keep_static = keep_static
         self.output_shape = output_shape
 
+    def __getattr__(self, name: str) -> Any:
+        # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
+        try:
+            published = object.__getattribute__(self, "runner").published
+        except AttributeError:
+            published = {}
+        if name in published:
+            return published[name]
+        raise AttributeError(f"'Prep' object has no attribute {name!r}")
+
     def plain_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Callable[..., Any]:
         """What the plain operator (no value) runs: its own variant when the engine has one,
         prepared on the first call that needs it (and counted in ``num_compilations``)."""
