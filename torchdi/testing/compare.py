@@ -40,10 +40,6 @@ __all__ = [
     "test_differentiation",
 ]
 
-# Not a pytest test, despite its name (users import it into their test modules).
-__test__ = False
-
-
 def backend_label(backend: Any) -> str:
     """How reports name a backend: its ``repr`` (``AutoFunc(chunk_size=None)``)."""
     return repr(backend)
