@@ -103,7 +103,8 @@ def _directive(name: str, obj: Any) -> str:
     if inspect.isclass(obj) and issubclass(obj, BaseException):
         return f".. autoexception:: {target}\n   :show-inheritance:\n"
     if inspect.isclass(obj):
-        return f".. autoclass:: {target}\n   :members:\n   :show-inheritance:\n"
+        bases = "   :show-inheritance:\n" if obj.__bases__ != (object,) else ""  # no "Bases: object"
+        return f".. autoclass:: {target}\n   :members:\n{bases}"
     if callable(obj):
         return f".. autofunction:: {target}\n"
     return f".. autodata:: {target}\n   :no-value:\n"
@@ -141,7 +142,6 @@ def submodule_page(module: str) -> str:
             "```{eval-rst}",
             f".. automodule:: {module}",
             "   :members:",
-            "   :show-inheritance:",
             "```",
             "",
         ]
@@ -155,10 +155,10 @@ def cli_page() -> str:
     from torchdi.__main__ import build_parser
 
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; pages must not depend on it
+    os.environ["COLUMNS"] = "80"  # argparse wraps to the terminal; pages must not depend on it
     try:
         parser = build_parser()
-        parts = ["# Command line: `python -m torchdi`", "",
+        parts = ["# Command line", "", "`python -m torchdi` benchmarks and checks the backends installed here.", "",
                  "Generated from the program's own argument parser (`torchdi/__main__.py`).", "",
                  "```text", parser.format_help().rstrip(), "```", ""]
         for action in parser._actions:
