@@ -50,3 +50,12 @@ html_title = f"torchdi {release}"
 html_static_path = ["_static"]
 html_css_files = ["torchdi.css"]
 pygments_style = "friendly"
+
+# Every cross-reference must resolve (a renamed or removed public name fails the build), except
+# types of other packages (no intersphinx: the build runs offline) and annotations that name
+# torchdi's internal modules (torchdi.contexts.Context, a TypeVar), which have no page.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(torch|numpy|collections|typing|types|builtins)(\..*)?"),
+    (r"py:.*", r"torchdi\.(contexts|translate|prep|backends|engines|operators|runners|errors)\..*"),
+]
