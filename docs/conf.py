@@ -32,7 +32,7 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "reference/api/_index.md"]
+exclude_patterns = ["_build", "reference/api/_*.md"]  # generated fragments that pages include
 
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3

@@ -16,6 +16,7 @@ run the blocks exactly as written.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -222,3 +223,20 @@ def test_new_names_get_a_page_in_an_other_section(monkeypatch: pytest.MonkeyPatc
     other = [s for s in api.group_public_names() if s.title == api.OTHER]
     assert other and other[0].names == ["brand_new_operator"]
     assert ".. autofunction:: torchdi.brand_new_operator" in api.all_pages()["brand_new_operator.md"]
+
+
+def test_benchmark_suite_tables_are_included_when_written(tmp_path: Path) -> None:
+    """The benchmarks page shows what ``raw_overhead.py --markdown`` wrote, or how to write it."""
+    api = _docs_ext()
+    (tmp_path / "benchmarks").mkdir()
+    missing = api.benchmark_suites_text(tmp_path)
+    assert "--suite raw-overhead --markdown benchmarks/raw_overhead.md" in missing
+
+    spec = importlib.util.spec_from_file_location("torchdi_bench_raw_overhead", ROOT / "benchmarks" / "raw_overhead.py")
+    assert spec is not None and spec.loader is not None
+    raw_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(raw_overhead)
+    assert raw_overhead.main(["--rounds", "1", "--markdown", str(tmp_path / "benchmarks" / "raw_overhead.md")]) == 0
+    shown = api.benchmark_suites_text(tmp_path)
+    assert "| hvp-1000 hvp | torchdi AutoFunc |" in shown and "not measured" in shown  # compile_overhead still missing
+    assert "raw_overhead.md" not in shown.split("### `benchmarks/compile_overhead.py`")[0]

@@ -227,6 +227,29 @@ def index_section_text() -> str:
     return "\n".join(lines)
 
 
+BENCHMARK_SUITES = {
+    "raw_overhead": "the interface's per-call cost against hand-written torch code",
+    "compile_overhead": "AutoCompile against calling torch.compile (and jax.jit) directly",
+}
+
+
+def benchmark_suites_text(root: Path | None = None) -> str:
+    """The tables the suite scripts wrote (``--markdown benchmarks/<suite>.md``), or how to get them."""
+    root = root or Path(__file__).resolve().parents[2]
+    parts = []
+    for suite, what in BENCHMARK_SUITES.items():
+        table = root / "benchmarks" / f"{suite}.md"
+        if table.is_file():
+            parts.append(table.read_text().rstrip() + "\n")
+        else:
+            parts.append(
+                f"### `benchmarks/{suite}.py`\n\n{what.capitalize()}: not measured in this checkout; "
+                f"`python -m torchdi bench --suite {suite.replace('_', '-')} --markdown benchmarks/{suite}.md` "
+                "writes the table this page shows.\n"
+            )
+    return "\n".join(parts)
+
+
 def all_pages() -> dict[str, str]:
     """``{file name under reference/api: MyST text}`` for every generated page."""
     import torchdi
@@ -235,6 +258,7 @@ def all_pages() -> dict[str, str]:
     pages.update({f"{m}.md": submodule_page(m) for m in available_submodules()})
     pages["cli.md"] = cli_page()
     pages["_index.md"] = index_section_text()
+    pages["_benchmark_suites.md"] = benchmark_suites_text()
     return pages
 
 
