@@ -161,7 +161,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if main is None:
             raise UsageError(f"benchmarks/{module}.py (with a main()) is not in this checkout")
         # Its own options: python benchmarks/compile_overhead.py --help
-        result = main([]) if inspect.signature(main).parameters else main()
+        forwarded = ["--markdown", args.markdown] if args.markdown else []  # the docs include it
+        result = main(forwarded) if inspect.signature(main).parameters else main()
         return int(result or 0)
     if args.plot and not has_matplotlib():
         raise UsageError("--plot needs matplotlib: pip install 'torchdi[bench]' (or pip install matplotlib)")

@@ -40,10 +40,6 @@ __all__ = [
     "test_differentiation",
 ]
 
-# Not a pytest test, despite its name (users import it into their test modules).
-__test__ = False
-
-
 def backend_label(backend: Any) -> str:
     """How reports name a backend: its ``repr`` (``AutoFunc(chunk_size=None)``)."""
     return repr(backend)
@@ -338,21 +334,21 @@ def test_differentiation(
     Raises:
         AssertionError: listing every failing (backend, scenario, operator), with what failed.
 
-    Example (in a user's pytest suite)::
+    Example (the body of a test in a user's pytest suite)::
 
-        import torch, torchdi
-        from torchdi.testing import Scenario, test_differentiation
-
-        def my_loss(w, data):
-            return ((data @ w).tanh() ** 2).mean()
-
-        def test_my_loss_backends():
-            data = torchdi.Constant(torch.randn(8, 3))
-            scenarios = [
-                Scenario("gradient", my_loss, torch.randn(3), (data,)),
-                Scenario("hvp", my_loss, torch.randn(3), (data,), tangents=(torch.randn(3),)),
-            ]
-            test_differentiation([torchdi.AutoFunc(), torchdi.AutoCompile()], scenarios)
+        >>> from torchdi.testing import Scenario, test_differentiation
+        >>> def my_loss(w, data):
+        ...     return ((data @ w).tanh() ** 2).mean()
+        >>> w = torch.randn(3, dtype=torch.float64)
+        >>> data = torchdi.Constant(torch.randn(8, 3, dtype=torch.float64))
+        >>> scenarios = [
+        ...     Scenario("gradient", my_loss, w, (data,)),
+        ...     Scenario("hvp", my_loss, w, (data,), tangents=(torch.randn(3, dtype=torch.float64),)),
+        ... ]
+        >>> records = test_differentiation([torchdi.AutoFunc(), torchdi.AutoFiniteDiff()], scenarios,
+        ...                                rtol=1e-4, atol=1e-6)
+        >>> [(r.operator, r.status) for r in records]  # AutoFunc's two, then AutoFiniteDiff's
+        [('gradient', 'ok'), ('hvp', 'ok'), ('gradient', 'ok'), ('hvp', 'ok')]
     """
     records = run_differentiation_tests(backends, scenarios, rtol=rtol, atol=atol)
     failures = [r for r in records if r.status == "fail"]
