@@ -7,7 +7,7 @@ For each workload, a prepared ``torchdi.gradient`` on ``AutoXLA()`` with host in
 result copied out) and with inputs already on the device, against the raw calls it stands for:
 ``torch.compile(grad(f), backend="openxla")`` on device tensors, lazy ``torch.func.grad(f)``
 followed by a sync, and the raw host<->device transfers (``x.to(device)`` + ``.cpu()``) that any
-host in/out call pays. ``jax.jit(grad(f))`` is added when JAX is importable. Times are medians
+host in/out call pays (every tensor argument in, the gradient out). ``jax.jit(grad(f))`` is added when JAX is importable. Times are medians
 of interleaved rounds (each round times every column once); device calls are timed as a loop of
 calls followed by one wait for the device, divided by the number of calls.
 """
@@ -118,11 +118,17 @@ def _columns(
         result = raw_grad(x_dev, *weights_dev)
         torch_xla._XLAC._xla_sync_multi([result], devices=[], wait=False)
 
+    # What any host in/out call moves: every tensor argument in, the gradient out.
+    host_tensors = (x, *weights)
+
     def transfers() -> None:
-        x.to(device).cpu()
+        for t in host_tensors:
+            t.to(device)
+        x_dev.cpu()
 
     def dlpack_transfers() -> None:
-        xla_dlpack.from_dlpack(x)  # host -> device through DLPack
+        for t in host_tensors:
+            xla_dlpack.from_dlpack(t)  # host -> device, zero-copy on the CPU client
         torch.utils.dlpack.from_dlpack(xla_dlpack.to_dlpack(x_dev))  # device -> host, zero-copy on the CPU client
 
     columns: dict[str, Callable[[], Any]] = {
@@ -130,7 +136,7 @@ def _columns(
         "torchdi AutoXLA, on device": lambda: td.gradient(f, backend, x_dev, *contexts_dev, prep=prep_dev),
         "raw torch.compile(grad(f), openxla), on device": lambda: compiled(x_dev, *weights_dev),
         "raw lazy grad(f) + sync": lazy,
-        "raw x.to(device) + .cpu()": transfers,
+        "raw transfers: .to(device) in, .cpu() out": transfers,
     }
     try:
         with torch.no_grad():
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---:|" * (len(header) + 2))
     for name, medians, _, _, _ in rows:
         ratio = medians["torchdi AutoXLA, on device"] / medians["raw torch.compile(grad(f), openxla), on device"]
-        above = medians["torchdi AutoXLA, host in/out"] - medians["raw x.to(device) + .cpu()"]
+        above = medians["torchdi AutoXLA, host in/out"] - medians["raw transfers: .to(device) in, .cpu() out"]
         cells = " | ".join(_format(medians.get(column)) for column in header)
         print(f"| {name} | {cells} | {ratio:.2f}x | {_format(above)} |")
     print()

@@ -158,3 +158,21 @@ def test_resnet18_forward_and_backward():
     torch.testing.assert_close(value, want_value, atol=1e-4, rtol=1e-4)
     for name in want:
         torch.testing.assert_close(grads[name], want[name], atol=1e-4, rtol=1e-3)
+
+
+class Loss:
+    def __call__(self, x, c):
+        return (x * c).pow(2).sum()
+
+
+def test_a_dropped_prep_frees_its_runner_and_keeps_f_unreferenced():
+    import gc
+    import weakref
+
+    f = Loss()
+    prep = td.prepare_gradient(f, XLA, point(0), td.Constant(0.5))
+    torch.testing.assert_close(td.gradient(f, XLA, point(1), td.Constant(0.5), prep=prep), 0.5 * point(1))
+    refs = weakref.ref(f), weakref.ref(prep.runner), weakref.ref(prep.lean_runner)
+    del prep, f
+    gc.collect()
+    assert all(ref() is None for ref in refs)

@@ -157,7 +157,25 @@ class _CountingOpenXLA:
         owner = self.owner()
         if owner is not None and any(_is_random(node) for node in graph.graph.nodes):
             owner.random = True
-        return self._openxla_eval_boxed(graph, example_inputs)
+        return _ExtractOnCopies(self._openxla_eval_boxed(graph, example_inputs))
+
+
+class _ExtractOnCopies:
+    """The bridge's compiled function, first called (where it traces and keeps its arguments
+    for good) on copies of the arguments: with zero-copy inputs those alias the user's memory,
+    which a prep must not keep alive. Later calls pass the arguments through."""
+
+    _boxed_call = True  # aot_autograd's calling convention: one list of arguments
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled: Any = compiled
+        self.extracted = False
+
+    def __call__(self, args: list[Any]) -> Any:
+        if not self.extracted:
+            self.extracted = True
+            args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        return self.compiled(args)
 
 
 def _fresh_entry_point(entry: Any, name: str) -> Any:
@@ -287,6 +305,9 @@ class XLARunner:
         buffers: the device buffers it owns (``reuse_buffers=True``), one per leaf of
             ``(x, tangents, contexts)``; ``None`` for leaves it does not copy (static, or already
             on the device).
+        zero_copy: whether host tensors reach the program through DLPack without a copy
+            (torch-xla's CPU client, host results; unaligned or strided tensors are copied into
+            ``buffers``).
         random: whether the compiled program draws random numbers.
     """
 
@@ -307,6 +328,8 @@ class XLARunner:
         self._compiled: Any = None
         self._spec: pytree.TreeSpec | None = None
         self.translate = True
+        self.zero_copy = False
+        self._from_dlpack: Any = None
 
     @property
     def path(self) -> str:
@@ -331,6 +354,16 @@ class XLARunner:
                 torch.empty((1,) if leaf.dim() == 0 else leaf.shape, dtype=leaf.dtype, device=self.device) if moved else None
                 for leaf, moved in zip(leaves, host_tensor)
             ]
+        # On torch-xla's CPU client a host tensor can be handed to the program without a copy
+        # (DLPack: the device buffer aliases host memory, which must be 64-byte aligned). Only
+        # when results come back to the host: the call then waits for the program, so the
+        # user's memory is never read after the call returns.
+        if not all(_is_xla(leaf) for leaf in pytree.tree_leaves(x)):
+            import torch_xla.runtime as xr
+            import torch_xla.utils.dlpack as xla_dlpack
+
+            self.zero_copy = xr.device_type() == "CPU" and self.device.type == "xla"
+            self._from_dlpack = xla_dlpack.from_dlpack
         self._compiled = torch.compile(
             _graph_entry(self.runner, spec, self.scalar_slots),
             backend=_CountingOpenXLA(self),
@@ -370,7 +403,9 @@ class XLARunner:
                     continue
                 if i in scalar:
                     leaf = leaf.reshape(1)
-                if buffers is not None and buffers[i] is not None:
+                if self.zero_copy and leaf.device.type == "cpu" and leaf.data_ptr() % 64 == 0 and leaf.is_contiguous():
+                    moved.append(self._from_dlpack(leaf))
+                elif buffers is not None and buffers[i] is not None:
                     moved.append(buffers[i].copy_(leaf))  # type: ignore[union-attr]
                 else:
                     moved.append(leaf.to(self.device))
