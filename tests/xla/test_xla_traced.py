@@ -69,6 +69,8 @@ def test_module_constant_follows_an_optimizer_each_step_like_eager():
     data = point(3, (4, 6))
     prep = td.prepare_gradient(model_loss, XLA, data, td.Constant(model))
     assert prep.runner.path == TRACED
+    td.gradient(model_loss, XLA, data, td.Constant(model), prep=prep)  # compiles gradient's own variant
+    assert prep.lean_runner.path == TRACED
     compiled = prep.num_compilations
     before = {name: t.clone() for name, t in model.state_dict().items()}
     for step in range(6):
@@ -86,9 +88,9 @@ def test_module_constant_follows_an_optimizer_each_step_like_eager():
 def test_module_constant_training_flag_is_followed():
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)).eval()
     prep = td.prepare_gradient(model_loss, XLA, point(0, (2, 6)), td.Constant(model))
-    compiled = prep.num_compilations  # value_and_gradient's program and gradient's own
     want = td.gradient(model_loss, REFERENCE, point(1, (2, 6)), td.Constant(model))
     torch.testing.assert_close(td.gradient(model_loss, XLA, point(1, (2, 6)), td.Constant(model), prep=prep), want)
+    compiled = prep.num_compilations  # value_and_gradient's program and gradient's own
     model.train()  # dropout now active: guarded by dynamo, so a (counted) recompilation, never stale
     got = td.gradient(model_loss, XLA, point(1, (2, 6)), td.Constant(model), prep=prep)
     assert not torch.allclose(got, want)
@@ -106,8 +108,8 @@ def test_no_stale_result_when_a_global_changes(caplog):
     global SCALE
     SCALE = 2.0
     prep = td.prepare_gradient(global_loss, XLA, point(0))
-    compiled = prep.num_compilations
     torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 8 * point(1))
+    compiled = prep.num_compilations
     SCALE = 3.0
     try:
         with caplog.at_level(logging.WARNING, logger="torchdi"):

@@ -328,6 +328,7 @@ class XLARunner:
         self._compiled: Any = None
         self._spec: pytree.TreeSpec | None = None
         self.translate = True
+        self.n_x_leaves = 1
         self.zero_copy = False
         self._from_dlpack: Any = None
 
@@ -344,6 +345,7 @@ class XLARunner:
         )
         leaves, spec = pytree.tree_flatten((x, tangents, translate_contexts(contexts, None, x)))
         self._spec = spec
+        self.n_x_leaves = len(pytree.tree_leaves(x))
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.nn.Module):
                 self.replicas[i] = _ModuleReplica(leaf, self.device)
@@ -392,7 +394,7 @@ class XLARunner:
         if self.translate:
             contexts = translate_contexts(contexts, None, x)
         leaves = pytree.tree_leaves((x, tangents, contexts))
-        x_on_device = all(_is_xla(leaf) for leaf in pytree.tree_leaves(x))
+        x_on_device = all(_is_xla(leaf) for leaf in leaves[: self.n_x_leaves])  # x's leaves come first
         buffers = self.buffers
         scalar = self.scalar_slots
         moved: list[Any] = []
