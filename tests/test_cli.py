@@ -106,6 +106,7 @@ def test_benchmark_scripts_load_as_suites() -> None:
     assert callable(cli._benchmark_main("raw_overhead"))
     if (Path(cli.__file__).resolve().parent.parent / "benchmarks" / "compile_overhead.py").is_file():
         assert callable(cli._benchmark_main("compile_overhead"))
+    assert callable(cli._benchmark_main("xla_overhead"))  # imports torch_xla only when run
     assert cli._benchmark_main("no_such_benchmark") is None
 
 

@@ -194,9 +194,12 @@ class Prep:
         return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
 
     def __repr__(self) -> str:
+        # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
+        paths = [getattr(r, "path", None) for r in (self.runner, self.lean_runner) if r is not None]
+        path = "".join(f", path={p!r}" for p in dict.fromkeys(paths) if p is not None)
         return (
             f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
-            f"num_compilations={self.num_compilations})"
+            f"num_compilations={self.num_compilations}{path})"
         )
 
     def check(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> None:
