@@ -23,6 +23,7 @@ own business, and everything it compiled is freed with it (rule 9).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import types
 import weakref
@@ -70,6 +71,11 @@ def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
     return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821  (the entry's own global)
+
+
+# Dynamo keeps automatic-dynamic and profile state by (file, line, name) of a code object: a
+# number never reused (unlike id()) keeps a new preparation from inheriting a dead one's.
+_preparation_numbers = itertools.count(1)
 
 
 def _fresh_entry_point(runner: Any, name: str) -> types.FunctionType:
@@ -235,7 +241,7 @@ class CompiledRunner:
         self.translate = _needs_translation(contexts)
         contexts = translated(contexts)
         inner = _with_floats_restored(self.inner, self.float_positions)
-        self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{id(self):x}")
+        self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{next(_preparation_numbers)}")
         self._entry_holder.append(self._entry)
         self._compiled = torch.compile(
             self._entry,
