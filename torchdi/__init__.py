@@ -5,6 +5,7 @@ pushforwards from eager ``torch.autograd``, ``torch.func``, ``torch.compile``, X
 finite differences, with a prepare-once / run-many split.
 """
 
+from torchdi import distributed
 from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
@@ -14,8 +15,9 @@ from torchdi.backends import (
     SecondOrder,
     check_available,
 )
-from torchdi.contexts import Cache, Constant
+from torchdi.contexts import Cache, Constant, State
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
+from torchdi.into_grad import into_grad
 from torchdi.operators import (
     derivative,
     gradient,
@@ -59,15 +61,18 @@ __all__ = [
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
+    "State",
     "UnsupportedOperatorError",
     "check_available",
     "copyfrom",
     "copyto_",
     "derivative",
+    "distributed",
     "gradient",
     "gradient_and_hvp",
     "hessian",
     "hvp",
+    "into_grad",
     "jacobian",
     "prepare_derivative",
     "prepare_gradient",
