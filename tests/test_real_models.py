@@ -27,7 +27,7 @@ def import_or_skip(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as error:
         pytest.skip(f"{name} is not installed ({error})")
-    except Exception as error:  # noqa: BLE001 - a wheel built for another torch fails with RuntimeError/OSError
+    except Exception as error:  # a wheel built for another torch fails with RuntimeError/OSError
         pytest.skip(f"{name} is installed but does not load with torch {torch.__version__} (no matching build): {error}")
 
 

@@ -97,6 +97,8 @@ def test_state_where_an_update_cannot_happen_once_is_refused():
     with pytest.raises(TypeError, match=r"context 1 \(State\) must be a tensor"):
         td.prepare_gradient(counting_loss, td.AutoFunc(), torch.ones(3), td.State(3.0))
     assert float(counter) == 0.0
+    # a model without buffers gives an empty State: nothing to update, no error
+    td.gradient(lambda x, buffers: x.sum(), td.AutoFunc(), torch.ones(3), td.State({}))
 
 
 def test_strict_check_names_a_state():

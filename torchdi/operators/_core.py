@@ -225,7 +225,7 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
         if kind != "State":
             continue
         leaves = pytree.tree_leaves(value)
-        if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):  # empty: nothing to update
             raise TypeError(
                 f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
                 f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
