@@ -243,14 +243,12 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
 
 
 @contextlib.contextmanager
-def _without_side_effects(contexts: Sequence[Any]) -> Iterator[None]:
+def _without_side_effects(state_values: Sequence[Any]) -> Iterator[None]:
     """Undo what preparation's evaluations of ``f`` did to the global RNG and to ``State`` tensors:
     a training loop prepared before its first step then runs exactly as the eager loop would."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    states = [
-        leaf for c in contexts if isinstance(c, State) for leaf in pytree.tree_leaves(c.value) if isinstance(leaf, torch.Tensor)
-    ]
+    states = [leaf for value in state_values for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
     saved = [t.detach().clone() for t in states]
     try:
         yield
@@ -289,7 +287,7 @@ def prepare_operator(
     tensor are restored once it is done (its evaluations of ``f`` would otherwise shift dropout
     masks and update running statistics).
     """
-    with _without_side_effects(contexts):
+    with _without_side_effects([c.value for c in contexts if isinstance(c, State)]):
         return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
 
 
@@ -316,8 +314,11 @@ def _prepare_operator(
     _check_state(family, backend, values, kinds, operator)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
+    engine = engine_for(backend)
+    # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
+    seen_by_f = getattr(engine, "contexts_seen_by_f", None)
     with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
-        y = bound(x_run, values)
+        y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
@@ -340,15 +341,18 @@ def _prepare_operator(
         raise TypeError(f"{operator} takes no tangents")
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents)
-    engine = engine_for(backend)
     batched = None if tangents is None else _batch_tangents(tangents)
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
-    # a bandwidth-bound function): compile that variant too, for the plain operator.
+    # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
+    # use (a training loop that only calls value_and_gradient never compiles it).
     lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
     runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
     lean = None
     if lean_spec is not None and value is None:
-        lean = _built(backend, family, bound, lean_spec, x_run, batched, values)
+        def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
+            # Built on the plain operator's first call: its compilation must not touch States either.
+            with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
+                return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -401,7 +405,7 @@ def run_operator(
             prep.check(family, f, backend, _received(x, tangents, values, context_kinds(contexts), prep.keep_static))
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
-    call = prep.call if value or prep.lean_call is None else prep.lean_call
+    call = prep.call if value else prep.plain_call(x_run, batched, values)
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
     try:
