@@ -64,7 +64,7 @@ def test_batchnorm_state_trains_like_eager_backward(backend):
     for (name, got), want in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
     assert int(buffers["1.num_batches_tracked"]) == len(data)
-    assert prep.num_compilations == (2 if isinstance(backend, td.AutoCompile) else 0)
+    assert prep.num_compilations == (1 if isinstance(backend, td.AutoCompile) else 0)  # value_and_gradient only
 
 
 def counting_loss(x, counter):
