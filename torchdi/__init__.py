@@ -11,11 +11,13 @@ from torchdi.backends import (
     AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     SecondOrder,
     check_available,
 )
 from torchdi.contexts import Cache, Constant, State
+from torchdi.differentiate_with import DifferentiateWith
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
 from torchdi.into_grad import into_grad
 from torchdi.operators import (
@@ -45,6 +47,7 @@ from torchdi.operators import (
     value_gradient_and_hessian,
 )
 from torchdi.prep import Prep, PreparationMismatchError
+from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
 from torchdi.translate import copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
@@ -54,14 +57,20 @@ __all__ = [
     "AutoCompile",
     "AutoFiniteDiff",
     "AutoFunc",
+    "AutoSparse",
     "AutoXLA",
     "BackendUnavailableError",
     "Cache",
     "Constant",
+    "DenseSparsity",
+    "DifferentiateWith",
+    "GreedyColoring",
+    "KnownSparsity",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
     "State",
+    "TracerSparsity",
     "UnsupportedOperatorError",
     "check_available",
     "copyfrom",

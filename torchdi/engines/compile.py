@@ -99,10 +99,21 @@ class _CountingCompiler:
         return getattr(self.compiler, name)
 
 
-def _forget_backend(key: int) -> None:
+def _release(key: int, entry: list[types.FunctionType]) -> None:
+    """Free what dynamo holds for a dropped preparation.
+
+    Dynamo keeps its backend in a module-level cache, and keeps the globals of a compiled frame
+    (where it installs the compiled graphs, next to the runner and so ``f``) alive through a
+    cleanup hook tied to the cache entry on the frame's code object: a cycle through C-level
+    state that the garbage collector cannot see. Emptying the cache and dropping the runner from
+    those globals breaks it (dynamo's own hooks remove the names it installed).
+    """
     from torch._dynamo import eval_frame
 
     eval_frame.cached_backends.pop(key, None)
+    if entry:
+        torch._C._dynamo.eval_frame.reset_code(entry[0].__code__)
+        entry[0].__globals__.pop("runner", None)
 
 
 def traced_view(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -183,7 +194,8 @@ class CompiledRunner:
         self._entry: types.FunctionType | None = None
         self._compiled: Any = None
         self._compiler = _CountingCompiler(self, backend)
-        weakref.finalize(self, _forget_backend, id(self._compiler))
+        self._entry_holder: list[types.FunctionType] = []  # what the finalizer releases
+        weakref.finalize(self, _release, id(self._compiler), self._entry_holder)
 
     # -- compilation -------------------------------------------------------------------------
 
@@ -209,6 +221,7 @@ class CompiledRunner:
         contexts = translated(contexts)
         inner = _with_floats_restored(self.inner, self.float_positions)
         self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{id(self):x}")
+        self._entry_holder.append(self._entry)
         self._compiled = torch.compile(
             self._entry,
             backend=self._compiler,
