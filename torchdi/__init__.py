@@ -5,7 +5,9 @@ pushforwards from eager ``torch.autograd``, ``torch.func``, ``torch.compile``, X
 finite differences, with a prepare-once / run-many split.
 """
 
-from torchdi import distributed
+from torchdi import (
+    distributed as distributed,  # td.distributed.all_reduce_ (a submodule: documented on its own page)
+)
 from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
@@ -76,7 +78,6 @@ __all__ = [
     "copyfrom",
     "copyto_",
     "derivative",
-    "distributed",
     "gradient",
     "gradient_and_hvp",
     "hessian",
