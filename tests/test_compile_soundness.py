@@ -382,3 +382,52 @@ def test_preparation_functions_are_fresh_code_objects():
     b = td.prepare_gradient(uses_global_float, backend, x)
     assert isinstance(a.runner._entry, types.FunctionType)
     assert a.runner._entry.__code__ is not b.runner._entry.__code__
+
+
+# --- real code: logging, graph breaks, autocast ----------------------------------------------------
+
+_user_log = logging.getLogger("torchdi.tests.user_code")
+
+
+def logs_while_computing(x):
+    _user_log.warning("computing the loss of %d values", x.numel())
+    return (x**2).sum()
+
+
+def test_logging_calls_in_f_do_not_break_the_graph(caplog):
+    """Model code logs (transformers' losses do); dynamo would graph-break on it with fullgraph."""
+    backend = td.AutoCompile(compiler="aot_eager")
+    x = torch.linspace(-1.0, 1.0, 3)
+    with caplog.at_level(logging.WARNING, logger="torchdi.tests.user_code"):
+        prep = td.prepare_gradient(logs_while_computing, backend, x)
+    assert "computing the loss of 3 values" in caplog.text  # preparation's eager call logs
+    torch.testing.assert_close(td.value_and_gradient(logs_while_computing, backend, x, prep=prep)[1], 2 * x)
+    assert prep.num_compilations == 1
+
+
+def everything_breaks(x):
+    torch._dynamo.graph_break()
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y.sum()
+
+
+def test_preparation_says_how_much_was_compiled(caplog):
+    backend = td.AutoCompile(compiler="aot_eager", fullgraph=False)
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_gradient(everything_breaks, backend, torch.ones(3))
+    assert prep.runner.num_graphs >= 1 and prep.runner.num_ops >= 1
+    assert "graph" in caplog.text and "graph breaks" in caplog.text
+    torch.testing.assert_close(td.value_and_gradient(everything_breaks, backend, torch.ones(3), prep=prep)[1], torch.ones(3).cos())
+
+
+def test_an_autocast_recompilation_says_autocast(caplog):
+    backend = td.AutoCompile(compiler="aot_eager")
+    x = torch.linspace(-1.0, 1.0, 3)
+    prep = td.prepare_gradient(makes_tensors, backend, x)
+    with caplog.at_level(logging.WARNING, logger="torchdi"), torch.autocast("cpu", dtype=torch.bfloat16):
+        td.value_and_gradient(makes_tensors, backend, x, prep=prep)
+    assert "autocast" in caplog.text
+    assert prep.runner.autocast == {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert td.prepare_gradient(makes_tensors, backend, x).runner.autocast == {"cpu": torch.bfloat16}
