@@ -5,6 +5,9 @@ pushforwards from eager ``torch.autograd``, ``torch.func``, ``torch.compile``, X
 finite differences, with a prepare-once / run-many split.
 """
 
+from torchdi import (
+    distributed as distributed,  # td.distributed.all_reduce_ (a submodule: documented on its own page)
+)
 from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
@@ -15,9 +18,10 @@ from torchdi.backends import (
     SecondOrder,
     check_available,
 )
-from torchdi.contexts import Cache, Constant
+from torchdi.contexts import Cache, Constant, State
 from torchdi.differentiate_with import DifferentiateWith
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
+from torchdi.into_grad import into_grad
 from torchdi.operators import (
     derivative,
     gradient,
@@ -67,6 +71,7 @@ __all__ = [
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
+    "State",
     "TracerSparsity",
     "UnsupportedOperatorError",
     "check_available",
@@ -77,6 +82,7 @@ __all__ = [
     "gradient_and_hvp",
     "hessian",
     "hvp",
+    "into_grad",
     "jacobian",
     "prepare_derivative",
     "prepare_gradient",

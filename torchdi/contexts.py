@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Cache", "Constant", "Context", "bind_contexts", "unwrap_contexts"]
+__all__ = ["Cache", "Constant", "Context", "State", "bind_contexts", "context_kinds", "unwrap_contexts"]
 
 T = TypeVar("T")
 
@@ -61,10 +61,40 @@ class Cache(Context[T]):
     __slots__ = ()
 
 
+class State(Context[T]):
+    """Tensors that ``f`` reads and updates in place, whose updates must persist: module buffers
+    such as BatchNorm running statistics and ``num_batches_tracked``, step counters.
+
+    ``value`` is a tensor or a pytree (dict/list/tuple) of tensors. A State is not
+    differentiated. Each operator call applies ``f``'s update to these very tensors exactly
+    once, as an eager training step would: eager backends run ``f`` on them, compiled graphs
+    write into them in place. Preparation leaves them (and the global RNG) as it found them.
+    Supported by ``gradient``/``value_and_gradient`` (the training operators) on
+    ``AutoAutograd``, ``AutoFunc`` and ``AutoCompile``; elsewhere it raises
+    ``UnsupportedOperatorError`` (operators that evaluate ``f`` more than once or under
+    ``vmap``, and backends that run ``f`` on copies, cannot apply an update exactly once).
+
+    Example::
+
+        >>> buffers = dict(model.named_buffers())
+        >>> def loss(params, buffers, batch):
+        ...     return torch.func.functional_call(model, (params, buffers), (batch,)).sum()
+        >>> g = torchdi.gradient(loss, torchdi.AutoFunc(), params, torchdi.State(buffers), torchdi.Constant(batch))
+        >>> # buffers["bn.running_mean"] and buffers["bn.num_batches_tracked"] were updated once
+    """
+
+    __slots__ = ()
+
+
+def context_kinds(contexts: Sequence[Any]) -> tuple[str, ...]:
+    """The wrapper of each context by name (``"Constant"``, ``"Cache"`` or ``"State"``)."""
+    return tuple("Cache" if isinstance(c, Cache) else "State" if isinstance(c, State) else "Constant" for c in contexts)
+
+
 def unwrap_contexts(contexts: Sequence[Any], operator: str, first_position: int) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
     """Split ``contexts`` into their values and a mask saying which are ``Cache``.
 
-    Raises ``TypeError`` naming the position of anything that is not a ``Constant``/``Cache``.
+    Raises ``TypeError`` naming the position of anything that is not a ``Constant``/``Cache``/``State``.
     """
     values = []
     cache_mask = []
@@ -72,7 +102,7 @@ def unwrap_contexts(contexts: Sequence[Any], operator: str, first_position: int)
         if not isinstance(context, Context) or type(context) is Context:
             raise TypeError(
                 f"{operator}: argument {first_position + i} (context {i}) must be wrapped in "
-                f"torchdi.Constant(...) or torchdi.Cache(...), got {type(context).__name__}. "
+                f"torchdi.Constant(...), torchdi.Cache(...) or torchdi.State(...), got {type(context).__name__}. "
                 "Contexts come after x (and after the tangents), in the order f takes them."
             )
         values.append(context.value)

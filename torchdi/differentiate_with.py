@@ -37,7 +37,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import _BACKEND_TYPES, Backend, require_available
-from torchdi.contexts import Cache, Constant, Context, bind_contexts, unwrap_contexts
+from torchdi.contexts import Constant, Context, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.prep import Prep, describe, describe_contexts
 
@@ -156,11 +156,10 @@ class DifferentiateWith:
         from torchdi import operators
 
         values = tuple(c.value for c in contexts)
-        mask = tuple(isinstance(c, Cache) for c in contexts)
         key = (
             describe(x, self._keeps_static),
             describe(tangents),
-            describe_contexts(values, mask, self._keeps_static),
+            describe_contexts(values, context_kinds(contexts), self._keeps_static),
         )
         cache = self._preps.setdefault(family, OrderedDict())
         prep = cache.get(key)

@@ -65,12 +65,9 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
     return (kind,)
 
 
-def describe_contexts(values: tuple[Any, ...], cache_mask: tuple[bool, ...], keep_static: bool) -> tuple[Any, ...]:
-    """One description per context: its wrapper (Constant/Cache) and its value's description."""
-    return tuple(
-        ("Cache" if is_cache else "Constant", describe(value, keep_static))
-        for value, is_cache in zip(values, cache_mask)
-    )
+def describe_contexts(values: tuple[Any, ...], kinds: tuple[str, ...], keep_static: bool) -> tuple[Any, ...]:
+    """One description per context: its wrapper (``context_kinds``) and its value's description."""
+    return tuple((kind, describe(value, keep_static)) for value, kind in zip(values, kinds))
 
 
 def format_description(desc: Any) -> str:
@@ -86,7 +83,7 @@ def format_description(desc: Any) -> str:
         return f"{kind.__name__}({inner})" if kind not in (tuple, list) else ("[" + inner + "]" if kind is list else "(" + inner + ")")
     if kind is np.ndarray:
         return f"ndarray(shape={desc[1]}, dtype={desc[2]})"
-    if kind in ("Constant", "Cache"):
+    if kind in ("Constant", "Cache", "State"):
         return f"{kind}({format_description(desc[1])})"
     name = kind.__name__ if isinstance(kind, type) else str(kind)
     if len(desc) == 2:
@@ -254,7 +251,7 @@ def _entry(runner: Callable[..., Any], strict: bool) -> Callable[..., Any]:
 def _hint(expected: Any, received: Any) -> str:
     """Say which dimension changed when only a tensor's shape differs (e.g. a last batch)."""
     e_kind, r_kind = expected[0], received[0]
-    if e_kind in ("Constant", "Cache") and r_kind == e_kind:
+    if e_kind in ("Constant", "Cache", "State") and r_kind == e_kind:
         return _hint(expected[1], received[1])
     if e_kind is dict and r_kind is dict:  # items are (key, description) pairs
         pairs = [(f"key {ek!r}", ed, rd) for (ek, ed), (rk, rd) in zip(expected[1], received[1]) if ek == rk]

@@ -64,6 +64,11 @@ def _sections() -> list[Section]:
             "What compiled backends trace, and copies into and out of preallocated buffers.",
             ("torchdi.translate",),
         ),
+        Section(
+            "Training",
+            "Writing gradients where ``torch.optim`` reads them (see also ``torchdi.distributed``).",
+            ("torchdi.into_grad",),
+        ),
         Section("Errors", "All importable from ``torchdi``.", ("torchdi.errors",)),
     ]
 

@@ -84,12 +84,14 @@ class FuncEngine:
     def _gradient(self, f: Any, spec: Any) -> Any:
         y_shape = spec.y.shapes[0]
 
+        # The contexts are arguments of the transformed function, not captured: f may then update
+        # a State in place (torch.func refuses in-place writes into captured tensors).
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            g, y = grad_and_value(lambda x_: _scalar(f(x_, contexts)))(x)
+            g, y = grad_and_value(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
             return y.reshape(y_shape), g
 
         def run_without_value(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            return None, grad(lambda x_: _scalar(f(x_, contexts)))(x)
+            return None, grad(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
 
         return run if spec.needs_value else run_without_value
 

@@ -13,8 +13,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import _BACKEND_TYPES, Backend, require_available
-from torchdi.contexts import bind_contexts, unwrap_contexts
+from torchdi.backends import (
+    _BACKEND_TYPES,
+    AutoAutograd,
+    AutoCompile,
+    AutoFunc,
+    Backend,
+    require_available,
+)
+from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.distributed import refuse_data_parallel
+from torchdi.errors import UnsupportedOperatorError
+from torchdi.into_grad import IntoGrad
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner
 from torchdi.translate import copyto_
@@ -114,50 +124,143 @@ def _argument_names(tangent_name: str | None, n_contexts: int) -> tuple[str, ...
     return (*names, *(f"context {i + 1}" for i in range(n_contexts)))
 
 
-def _received(x: Any, tangents: Any, values: tuple[Any, ...], mask: tuple[bool, ...], keep_static: bool) -> tuple[Any, ...]:
+def _received(x: Any, tangents: Any, values: tuple[Any, ...], kinds: tuple[str, ...], keep_static: bool) -> tuple[Any, ...]:
     head = (describe(x, keep_static),) if tangents is None else (describe(x, keep_static), describe(tangents))
-    return head + describe_contexts(values, mask, keep_static)
+    return head + describe_contexts(values, kinds, keep_static)
 
 
 @contextlib.contextmanager
-def _refuse_mutation(x: Any, values: tuple[Any, ...], mask: tuple[bool, ...], operator: str) -> Iterator[None]:
+def _refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], operator: str) -> Iterator[None]:
     """Raise when ``f`` writes into ``x`` or a ``Constant`` (module buffers included), after
-    restoring the module buffers it wrote.
+    restoring what it wrote.
 
-    Writes are seen through tensors' version counters. Backends disagree on such writes (eager
-    autograd performs them, ``torch.func`` refuses them, a compiled graph replays them), so
-    they are refused instead of silently diverging: BatchNorm's running statistics are the
-    common case.
+    Writes are seen by value, not only through version counters: some kernels write without
+    bumping them (``F.batch_norm`` updates running statistics that way). Backends disagree on
+    such writes (eager autograd performs them, ``torch.func`` may refuse them, a compiled graph
+    replays them), so they are refused instead of silently diverging; values that ``f`` must
+    update go in a ``State``.
     """
-    watched: list[tuple[str, torch.Tensor]] = [(f"x{_path(p)}", t) for p, t in _tensor_leaves(x)]
-    modules: list[tuple[str, torch.nn.Module]] = []
-    for i, (value, is_cache) in enumerate(zip(values, mask)):
-        if is_cache:
+    # (context label, leaf path, tensor, type of the module owning it or None)
+    watched: list[tuple[str, str, torch.Tensor, str | None]] = [("x", _path(p), t, None) for p, t in _tensor_leaves(x)]
+    for i, (value, kind) in enumerate(zip(values, kinds)):
+        if kind != "Constant":
             continue
+        label = f"context {i + 1} (Constant)"
         for path, leaf in pytree.tree_flatten_with_path(value)[0]:
-            name = f"context {i + 1} (Constant){_path(path)}"
             if isinstance(leaf, torch.Tensor):
-                watched.append((name, leaf))
+                watched.append((label, _path(path), leaf, None))
             elif isinstance(leaf, torch.nn.Module):
-                modules.append((name, leaf))
-    buffers = [(f"{name}, buffer {b}", t) for name, m in modules for b, t in m.named_buffers()]
-    versions = [t._version for _, t in watched + buffers]
-    saved = [t.detach().clone() for _, t in buffers]
+                for prefix, module in leaf.named_modules():
+                    for name, buffer in module.named_buffers(recurse=False):
+                        if buffer is not None:
+                            where = f"{_path(path)}.{prefix}.{name}" if prefix else f"{_path(path)}.{name}"
+                            watched.append((label, where.lstrip("."), buffer, type(module).__name__))
+    # The model's own buffers are usually the very tensors passed as a State: those may change.
+    state_ids = {id(leaf) for value, kind in zip(values, kinds) if kind == "State" for leaf in pytree.tree_leaves(value)}
+    watched = [entry for entry in watched if id(entry[2]) not in state_ids]
+    versions = [t._version for _, _, t, _ in watched]
+    saved = [t.detach().clone() for _, _, t, _ in watched]
     yield
-    written = [name for (name, t), v in zip(watched + buffers, versions) if t._version != v]
+    written = [
+        (entry, before)
+        for entry, version, before in zip(watched, versions, saved)
+        if entry[2]._version != version or not _same_values(entry[2], before)
+    ]
     if not written:
         return
     with torch.no_grad():
-        for (_, t), before in zip(buffers, saved):
+        for (_, _, t, _), before in written:
             t.copy_(before)
     raise ValueError(
-        f"{operator}: f wrote in place into {', '.join(written)}. Inputs and Constants must not be "
-        "modified (backends would disagree: eager autograd writes, torch.func refuses, a compiled "
-        "graph replays). Use a Cache for scratch space. For modules that update buffers in forward "
-        "(BatchNorm running statistics): call model.eval() to use fixed statistics, or "
-        "torch.func.replace_all_batch_norm_modules_(model) to use batch statistics without "
-        "tracking, or pass the buffers as a Cache and update the statistics outside torchdi."
+        f"{operator}: f wrote in place into {_summarize_writes([entry for entry, _ in written])}. Inputs and "
+        "Constants must not be modified (backends would disagree: eager autograd writes, torch.func "
+        "refuses, a compiled graph replays). Values that f updates and that must persist (BatchNorm "
+        "running statistics, counters) go in a torchdi.State: pass td.State(dict(model.named_buffers())) "
+        "and call torch.func.functional_call(model, (params, buffers), (x,)) in f; every backend then "
+        "updates them exactly once per call. Scratch space goes in a Cache. Or call model.eval() to use "
+        "fixed statistics, or torch.func.replace_all_batch_norm_modules_(model) to use batch statistics "
+        "without tracking."
     )
+
+
+def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    if now.is_meta:  # no values to compare: the version counter alone decides
+        return True
+    if torch.equal(now, before):
+        return True
+    if now.is_floating_point() or now.is_complex():  # NaN == NaN for this purpose
+        return bool(((now == before) | (now.isnan() & before.isnan())).all())
+    return False
+
+
+def _summarize_writes(written: list[tuple[str, str, torch.Tensor, str | None]]) -> str:
+    """One phrase per argument: its leaves, or its module buffers counted by module type."""
+    phrases = []
+    for label in dict.fromkeys(entry[0] for entry in written):
+        entries = [e for e in written if e[0] == label]
+        plain = [path for _, path, _, owner in entries if owner is None]
+        owned: dict[str, list[str]] = {}
+        for _, path, _, owner in entries:
+            if owner is not None:
+                owned.setdefault(owner, []).append(path.rsplit(".", 1)[-1])
+        parts = []
+        if plain:
+            shown = ", ".join(p or "(the tensor)" for p in plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+            parts.append(shown)
+        for owner, names in owned.items():
+            kinds = ", ".join(dict.fromkeys(names))
+            parts.append(f"{len(names)} buffer{'s' if len(names) > 1 else ''} of {owner} modules ({kinds})")
+        phrases.append(f"{label}: " + "; ".join(parts))
+    return "; ".join(phrases)
+
+
+# The family that evaluates f exactly once per call, outside vmap, with the contexts passed as
+# arguments of the transform on the backends below: where a State update happens exactly once.
+_STATE_FAMILIES = ("gradient",)
+
+
+def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: tuple[str, ...], operator: str) -> None:
+    """Refuse ``State`` where its update would not happen exactly once on the user's tensors."""
+    if "State" not in kinds:
+        return
+    for i, (value, kind) in enumerate(zip(values, kinds)):
+        if kind != "State":
+            continue
+        leaves = pytree.tree_leaves(value)
+        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):  # empty: nothing to update
+            raise TypeError(
+                f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
+                f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
+            )
+    inner = backend.inner if isinstance(backend, AutoCompile) else backend
+    compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
+    if family not in _STATE_FAMILIES or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
+        raise UnsupportedOperatorError(
+            f"{operator} with {backend!r}: a torchdi.State context is updated exactly once per call only by "
+            "gradient and value_and_gradient on AutoAutograd(), AutoFunc() and "
+            "AutoCompile(inner=AutoAutograd() or AutoFunc()) without mode='reduce-overhead' (other operators "
+            "evaluate f several times or under vmap; AutoXLA and CUDA graphs run f on copies of the tensors). "
+            "Pass the values as a Constant with fixed statistics (model.eval()) for other operators."
+        )
+
+
+@contextlib.contextmanager
+def _without_side_effects(state_values: Sequence[Any]) -> Iterator[None]:
+    """Undo what preparation's evaluations of ``f`` did to the global RNG and to ``State`` tensors:
+    a training loop prepared before its first step then runs exactly as the eager loop would."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    states = [leaf for value in state_values for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    saved = [t.detach().clone() for t in states]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for t, before in zip(states, saved):
+                t.copy_(before)
 
 
 def _tensor_leaves(tree: Any) -> list[tuple[Any, torch.Tensor]]:
@@ -182,7 +285,25 @@ def prepare_operator(
     """Validate the arguments, build the runner for ``backend`` and compile it if needed.
 
     ``value`` says which variant a one-shot call needs (``None``: both, as ``prepare_*`` does).
+    Preparation has no side effect a user can see: the global RNG state and every ``State``
+    tensor are restored once it is done (its evaluations of ``f`` would otherwise shift dropout
+    masks and update running statistics).
     """
+    with _without_side_effects([c.value for c in contexts if isinstance(c, State)]):
+        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
+
+
+def _prepare_operator(
+    family: str,
+    operator: str,
+    f: Callable[..., Any],
+    backend: Backend,
+    x: Any,
+    tangents: tuple[Any, ...] | None,
+    contexts: Sequence[Any],
+    strict: bool,
+    value: bool | None,
+) -> Prep:
     from torchdi.engines import engine_for
 
     if not callable(f):
@@ -191,12 +312,14 @@ def prepare_operator(
     require_available(backend)
     tangent_name = {"x": "tx", "y": "ty", None: None}[TANGENTS_LIKE[family]]
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
+    kinds = context_kinds(contexts)
+    _check_state(family, backend, values, kinds, operator)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
     seen_by_f = getattr(engine, "contexts_seen_by_f", None)
-    with torch.no_grad(), _refuse_mutation(x, values, mask, operator):
+    with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
         y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
@@ -229,8 +352,10 @@ def prepare_operator(
     lean = None
     if lean_spec is not None and value is None:
         def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
-            return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
-    expected = _received(x, tangents, values, mask, engine.keeps_static)
+            # Built on the plain operator's first call: its compilation must not touch States either.
+            with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
+                return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
+    expected = _received(x, tangents, values, kinds, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
         family,
@@ -277,9 +402,9 @@ def run_operator(
     else:
         if not isinstance(prep, Prep):
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
-        values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
         if prep.strict:
-            prep.check(family, f, backend, _received(x, tangents, values, mask, prep.keep_static))
+            prep.check(family, f, backend, _received(x, tangents, values, context_kinds(contexts), prep.keep_static))
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value else prep.plain_call(x_run, batched, values)
@@ -295,6 +420,8 @@ def write_out(result: Any, out: Any, operator: str) -> Any:
     """Copy ``result`` into the user's ``out=`` buffers (when given) and return what to hand back."""
     if out is None:
         return result
+    if isinstance(out, IntoGrad):
+        return out.write(result, operator)
     try:
         with torch.no_grad():
             return copyto_(out, result)

@@ -1,0 +1,87 @@
+"""``out=into_grad(params)``: gradients written into the parameters' ``.grad``, as ``backward()`` does.
+
+A dict of ``.grad`` tensors captured once goes stale when ``optimizer.zero_grad()`` (whose default
+is ``set_to_none=True``) drops them: results written there never reach the optimizer. An
+``IntoGrad`` looks the ``.grad`` attributes up at each call instead, so every form of zeroing
+works, and it accumulates as ``backward()`` does, so gradient accumulation over micro-batches
+costs one in-place add per tensor and no extra copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["IntoGrad", "into_grad"]
+
+
+class IntoGrad:
+    """An ``out=`` target that writes a gradient into ``p.grad`` for each tensor ``p`` of ``params``.
+
+    Made by ``into_grad``; see there.
+    """
+
+    __slots__ = ("accumulate", "leaves", "spec")
+
+    def __init__(self, params: Any, accumulate: bool) -> None:
+        leaves, self.spec = pytree.tree_flatten(params)
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"into_grad: params must be a pytree of tensors, found a leaf of type {type(leaf).__name__}")
+        self.leaves: list[torch.Tensor] = leaves
+        self.accumulate = accumulate
+
+    def write(self, grads: Any, operator: str) -> Any:
+        """Store ``grads`` (structured like ``params``) into the ``.grad`` attributes; returns them."""
+        leaves, spec = pytree.tree_flatten(grads)
+        if spec != self.spec:
+            raise ValueError(
+                f"{operator}: out=into_grad(params) needs params with the structure of x; got {self.spec} "
+                f"for params and {spec} for the gradient"
+            )
+        with torch.no_grad():
+            for param, grad in zip(self.leaves, leaves):
+                if grad.shape != param.shape:
+                    raise ValueError(f"{operator}: out=into_grad(params): a gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(param.shape)}")
+                current = param.grad
+                if current is None:
+                    # A fresh result the caller does not hold elsewhere: adopt it, no copy. A view
+                    # (an expanded gradient of a sum, say) is copied: later adds must not alias.
+                    if grad._base is not None or not grad.is_contiguous() or grad.dtype != param.dtype:
+                        grad = grad.to(param.dtype, memory_format=torch.contiguous_format, copy=True)
+                    param.grad = grad
+                elif self.accumulate:
+                    current.add_(grad)
+                else:
+                    current.copy_(grad)
+        return pytree.tree_unflatten([param.grad for param in self.leaves], self.spec)
+
+
+def into_grad(params: Any, accumulate: bool = True) -> IntoGrad:
+    """An ``out=`` target for ``gradient``/``value_and_gradient``: each parameter's ``.grad``.
+
+    For each tensor ``p`` of ``params`` (the pytree passed as ``x``), the gradient goes into
+    whatever ``p.grad`` is at call time: when it is ``None`` (after
+    ``optimizer.zero_grad()``) the computed tensor becomes ``p.grad``; otherwise it is added to
+    it (``accumulate=True``, what ``loss.backward()`` does) or copied over it
+    (``accumulate=False``). Gradient accumulation over micro-batches is therefore the
+    ``backward()`` loop with ``loss.backward()`` replaced, with no copy per micro-batch.
+
+    Args:
+        params: the parameters, with the structure of ``x`` (e.g. ``dict(model.named_parameters())``).
+        accumulate: add into existing ``.grad`` tensors (``True``) or overwrite them.
+
+    Returns:
+        An ``IntoGrad`` to pass as ``out=``; the operator then returns the ``.grad`` tensors.
+
+    Example::
+
+        >>> params = dict(model.named_parameters())
+        >>> optimizer.zero_grad()
+        >>> for micro_batch in micro_batches:          # accumulates, as loss.backward() would
+        ...     td.gradient(loss, backend, params, td.Constant(micro_batch), prep=prep, out=td.into_grad(params))
+        >>> optimizer.step()
+    """
+    return IntoGrad(params, accumulate)
