@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "StaticFloat",
     "copyfrom",
     "copyto_",
     "ravel",
@@ -20,6 +21,29 @@ __all__ = [
 ]
 
 Device = torch.device | str | None
+
+
+class StaticFloat(float):
+    """A Python float that compiled backends keep static instead of tracing.
+
+    ``to_device_tensor`` turns plain floats into traced 0-d tensors, so that a new value does
+    not recompile; ``f`` then receives a tensor, and Python-level use of it (``math.sqrt(c)``,
+    ``range(int(c))``, comparisons that choose a branch) cannot be traced. Wrap such a value in
+    ``StaticFloat``: ``f`` receives it as a float, it is baked into the compiled program, the
+    strict check compares it by value, and a new value means a new preparation (or, with
+    ``strict=False``, a counted recompilation). Eager backends treat it as any float.
+
+    Example::
+
+        >>> f = lambda x, scale: x.sum() * math.sqrt(scale)
+        >>> torchdi.gradient(f, torchdi.AutoCompile(), torch.ones(2), torchdi.Constant(torchdi.StaticFloat(4.0)))
+        tensor([2., 2.])
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"StaticFloat({float(self)!r})"
 
 
 @functools.singledispatch
@@ -81,6 +105,7 @@ def _(obj: complex, device: Device) -> torch.Tensor:
     return torch.tensor(obj, dtype=torch.complex128, device=device)
 
 
+@to_device_tensor.register(StaticFloat)
 @to_device_tensor.register(bool)
 @to_device_tensor.register(int)
 @to_device_tensor.register(str)

@@ -20,6 +20,9 @@ __all__ = ["FuncEngine"]
 
 # vmap's out_dims for (value, per-tangent result): the value does not depend on the tangent.
 _SHARED_VALUE: Any = (None, 0)
+# Random operations in f (dropout) draw once for all tangents: one evaluation of f shared by
+# every tangent, as AutoAutograd computes (vmap's default refuses random operations).
+_RANDOMNESS = "same"
 
 
 def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -50,6 +53,8 @@ class FuncEngine:
         self.chunk_size = backend.chunk_size
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
+        if family in ("jacobian", "hessian") and any(d.is_complex for d in (*spec.x.dtypes, *spec.y.dtypes)):
+            return None  # jacrev/jacfwd refuse complex tensors: the generic fallback takes columns by jvp
         return getattr(self, f"_{family}")(f, spec)
 
     def _pullback(self, f: Any, spec: Any) -> Any:
@@ -60,7 +65,7 @@ class FuncEngine:
             if single:
                 (dx,) = vjp_fn(_first(ty))
                 return y, _add_batch(dx)
-            (dx,) = vmap(vjp_fn)(ty)
+            (dx,) = vmap(vjp_fn, randomness=_RANDOMNESS)(ty)
             return y, dx
 
         return run
@@ -76,7 +81,7 @@ class FuncEngine:
             if single:
                 y, dy = along(_first(tx))
                 return y, _add_batch(dy)
-            y, dy = vmap(along, out_dims=_SHARED_VALUE)(tx)
+            y, dy = vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
             return y, dy
 
         return run
@@ -123,7 +128,7 @@ class FuncEngine:
                 return y, y
 
             if forward:
-                jac, y = jacfwd(with_value, has_aux=True)(x)
+                jac, y = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 jac, y = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
             return y, jac
@@ -142,7 +147,7 @@ class FuncEngine:
             if single:
                 g, hv = along(_first(tx))
                 return g, _add_batch(hv)
-            return vmap(along, out_dims=_SHARED_VALUE)(tx)
+            return vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
 
         return run
 
@@ -155,7 +160,7 @@ class FuncEngine:
                 return g, (g, y)
 
             if self.chunk_size is None:
-                hess, (g, y) = jacfwd(gradient_with_value, has_aux=True)(x)
+                hess, (g, y) = jacfwd(gradient_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
             return y.reshape(y_shape), g, hess

@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import _BACKEND_TYPES, Backend, require_available
 from torchdi.contexts import bind_contexts, unwrap_contexts
 from torchdi.prep import Prep, describe, describe_contexts
-from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner
-from torchdi.translate import copyto_
+from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
+from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["prepare_operator", "run_operator", "write_out"]
 
@@ -109,6 +109,13 @@ def _check_tangents(tangents: Any, like: TreeMeta, like_name: str, operator: str
             )
 
 
+def _tangent_name(family: str, tangents: Any) -> str | None:
+    """The public name of the tangents a call passed (``tx``/``ty``), or ``None``."""
+    if tangents is None:
+        return None
+    return "ty" if TANGENTS_LIKE[family] == "y" else "tx"
+
+
 def _argument_names(tangent_name: str | None, n_contexts: int) -> tuple[str, ...]:
     names = ["x"] + ([tangent_name] if tangent_name else [])
     return (*names, *(f"context {i + 1}" for i in range(n_contexts)))
@@ -185,12 +192,19 @@ def prepare_operator(
     """
     from torchdi.engines import engine_for
 
+    if torch.is_inference_mode_enabled():
+        # The user's outer context, not a request to drop derivatives: under inference_mode
+        # autograd records nothing and every derivative would silently be zero.
+        with torch.inference_mode(False):
+            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
     if not callable(f):
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     _check_backend(backend, operator)
     require_available(backend)
     tangent_name = {"x": "tx", "y": "ty", None: None}[TANGENTS_LIKE[family]]
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
+    x = _without_inference_tensors(x)
+    values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
     with torch.no_grad(), _refuse_mutation(x, values, mask, operator):
@@ -222,10 +236,15 @@ def prepare_operator(
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
     # a bandwidth-bound function): compile that variant too, for the plain operator.
     lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
-    runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
     lean = None
-    if lean_spec is not None and value is None:
-        lean = _built(backend, family, bound, lean_spec, x_run, batched, values)
+    if spec.x.numel == 0 or spec.y.numel == 0:
+        # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
+        # backend, instead of each engine's failure on empty bases and stacks.
+        runner = zero_runner(family, bound, spec)
+    else:
+        runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
+        if lean_spec is not None and value is None:
+            lean = _built(backend, family, bound, lean_spec, x_run, batched, values)
     expected = _received(x, tangents, values, mask, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -247,9 +266,55 @@ def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, 
     runner = build_runner(backend, family, f, spec)
     warm_up = getattr(runner, "warm_up", None)
     if warm_up is not None:
-        with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
-            warm_up(x, tangents, values)
+        try:
+            with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
+                warm_up(x, tangents, values)
+        except Exception as error:
+            note = _translation_note(values)
+            if note:
+                error.add_note(note)
+            raise
     return runner
+
+
+def _translation_note(values: tuple[Any, ...]) -> str | None:
+    """Say which context values ``f`` received translated (``to_device_tensor``) and how to
+    keep one static: errors from Python-level use of them (``math.sqrt(c)``, ``arr.astype``)
+    otherwise read like unrelated tracing failures."""
+    translated = []
+    for i, value in enumerate(values):
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                continue
+            new = to_device_tensor(leaf, None)
+            if new is not leaf and isinstance(new, torch.Tensor):
+                translated.append(f"context {i + 1}{_path(path)} ({type(leaf).__name__})")
+    if not translated:
+        return None
+    return (
+        f"torchdi note: the compiled function received {', '.join(translated)} as torch.Tensor: compiled "
+        "backends translate numpy arrays, numpy scalars and Python floats/complexes into traced tensors "
+        "(torchdi.to_device_tensor) so that a new value does not recompile. Use torch operations on them "
+        "(torch.sqrt, tensor methods rather than math or numpy), or keep the value static (baked into the "
+        "program; a new value needs a new preparation): wrap a float as torchdi.StaticFloat(value), pass "
+        "an int or str, or register your own type with torchdi.to_device_tensor to return it unchanged."
+    )
+
+
+def _without_inference_tensors(tree: Any) -> Any:
+    """``tree`` with tensors made under ``torch.inference_mode`` copied into ordinary tensors.
+
+    Inference tensors have no version counter and cannot be saved for backward, so no backend
+    could differentiate through them; the copy is only made when one is present.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.clone() if tree.is_inference() else tree
+    leaves, spec = pytree.tree_flatten(tree)
+    if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
+        return tree
+    return pytree.tree_unflatten(
+        [leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf for leaf in leaves], spec
+    )
 
 
 def run_operator(
@@ -267,6 +332,9 @@ def run_operator(
 
     With ``value=False`` the value part may be ``None`` (the caller drops it).
     """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # see prepare_operator
+            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value)
     if prep is None:
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
         values = tuple(c.value for c in contexts)
@@ -275,7 +343,12 @@ def run_operator(
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
         values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
         if prep.strict:
-            prep.check(family, f, backend, _received(x, tangents, values, mask, prep.keep_static))
+            names = _argument_names(_tangent_name(family, tangents), len(values))
+            prep.check(family, f, backend, _received(x, tangents, values, mask, prep.keep_static), names)
+        elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
+            prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
+    x = _without_inference_tensors(x)
+    values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value or prep.lean_call is None else prep.lean_call
@@ -291,8 +364,33 @@ def write_out(result: Any, out: Any, operator: str) -> Any:
     """Copy ``result`` into the user's ``out=`` buffers (when given) and return what to hand back."""
     if out is None:
         return result
+    _check_out(result, out, operator)
     try:
         with torch.no_grad():
             return copyto_(out, result)
     except ValueError as error:
         raise ValueError(f"{operator}: out= must have the structure and shapes of the result: {error}") from None
+
+
+def _check_out(result: Any, out: Any, operator: str) -> None:
+    """PyTorch's ``out=`` rule: the result may only be cast to a dtype it casts to safely
+    (``torch.can_cast``: a float result never truncates into an integer ``out=``, a complex one
+    never loses its imaginary part) and must be on ``out``'s device."""
+    results, outs = pytree.tree_leaves(result), pytree.tree_leaves(out)
+    if len(results) != len(outs):
+        return  # copyto_ reports the structure mismatch
+    several = len(results) > 1
+    for i, (r, o) in enumerate(zip(results, outs)):
+        if not (isinstance(r, torch.Tensor) and isinstance(o, torch.Tensor)):
+            continue
+        where = f" (leaf {i})" if several else ""
+        if not torch.can_cast(r.dtype, o.dtype):
+            raise RuntimeError(
+                f"{operator}: the result{where} has dtype {r.dtype}, which cannot be cast safely to the "
+                f"out= dtype {o.dtype} (torch.can_cast is False); pass out= of dtype {r.dtype}"
+            )
+        if r.device != o.device:
+            raise RuntimeError(
+                f"{operator}: the result{where} is on device {r.device} but out= is on device {o.device}; "
+                f"pass out= on {r.device}"
+            )
