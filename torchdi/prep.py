@@ -161,8 +161,12 @@ class Prep:
             ``value_and_gradient``).
         backend: the backend it was prepared for.
         strict: whether each call checks the arguments' signatures.
-        num_compilations: how many times a compiler was invoked for this preparation
-            (0 for eager backends); it does not grow over calls that satisfy the rules.
+        num_compilations: how many graphs a compiler compiled for this preparation (0 for
+            eager backends). It does not grow over calls that satisfy the rules, except once
+            when the plain ``gradient`` of a compiled preparation is first called (its variant
+            without the value is compiled on first use), and when one of the compiler's own
+            guards fails (a global, a closure cell, the grad mode ... changed), exactly where
+            raw ``torch.compile`` would recompile.
         output_shape: shape of ``f(x, ...)`` at preparation (``None`` for pytree outputs).
     """
 
@@ -175,6 +179,7 @@ class Prep:
         "f",
         "keep_static",
         "lean_call",
+        "lean_factory",
         "lean_runner",
         "operator",
         "output_shape",
@@ -193,7 +198,7 @@ class Prep:
         strict: bool,
         keep_static: bool,
         output_shape: torch.Size | None,
-        lean_runner: Callable[..., Any] | None = None,
+        lean_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.operator = operator
         self.f = f
@@ -202,12 +207,23 @@ class Prep:
         self._names = names
         self.runner = runner
         self.call = _entry(runner, strict)
-        # The plain operator's own runner, when the engine built one that skips the value.
-        self.lean_runner = lean_runner
-        self.lean_call = None if lean_runner is None else _entry(lean_runner, strict)
+        # The plain operator's own runner (one that skips the value), built on its first use.
+        self.lean_factory = lean_factory
+        self.lean_runner: Callable[..., Any] | None = None
+        self.lean_call: Callable[..., Any] | None = None
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
+
+    def plain_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Callable[..., Any]:
+        """What the plain operator (no value) runs: its own variant when the engine has one,
+        prepared on the first call that needs it (and counted in ``num_compilations``)."""
+        if self.lean_factory is None:
+            return self.call
+        if self.lean_call is None:
+            self.lean_runner = self.lean_factory(x, tangents, contexts)
+            self.lean_call = _entry(self.lean_runner, self.strict)
+        return self.lean_call
 
     @property
     def num_compilations(self) -> int:

@@ -3,20 +3,29 @@
 What is traced follows one rule: every leaf of ``x``, of the tangents and of the contexts goes
 through ``to_device_tensor``; what comes out as a tensor is a graph input (its value may change
 without recompiling), anything else is static and baked in (dynamo guards on it, and the strict
-check compares it by equality). Contexts are arguments of the compiled function, never closed
-over, so a new float or tensor value never triggers a recompilation.
+check compares it). Python floats travel as exact float64 0-d tensors and are turned back into
+Python floats (``.item()``, a symbolic float to dynamo) before ``f`` sees them, so ``f`` does its
+Python arithmetic on them in double precision and combines them with tensors by eager's
+wrapped-number rule, and a new value never recompiles.
 
-``num_compilations`` counts the graphs the compiler backend is actually asked to compile for
-this preparation: the compiler is wrapped per runner, so the count is exact and not shared with
-any other code.
+Soundness (rule 7): a prepared call is never less sound than calling ``torch.compile`` directly.
+Each call evaluates dynamo's own guard manager for the cache entries of this preparation (all of
+its guards: arguments, globals, closure cells, attributes, helper functions, global state) and
+runs dynamo's transformed bytecode for the entry whose guards pass, exactly what dynamo's frame
+evaluation would run, minus its per-call machinery. When no entry's guards pass, the call goes
+through ``torch.compile``'s entry point, which recompiles; the recompilation is counted and
+logged with the guard that failed, in dynamo's words.
+
+Each preparation owns its dynamo cache (a code object of its own), so its recompile limit is its
+own business, and everything it compiled is freed with it (rule 9).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
-import re
-from dataclasses import dataclass
+import types
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -24,187 +33,123 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.prep import _IMMUTABLE_STATIC
-from torchdi.translate import copyto_, to_device_tensor, translate_contexts
+from torchdi.runners import build_runner
+from torchdi.translate import copyto_, to_device_tensor
 
-__all__ = ["CompileEngine", "CompiledRunner"]
+__all__ = ["CompileEngine", "CompiledRunner", "float_positions", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
 
+# A preparation recompiles only when a guard fails (a static value, a global, the grad mode...).
+# Its cache is its own, so dynamo's per-code limit (8) would only turn a correct recompilation
+# into a crash (fullgraph=True) or a silent fall back to eager (fullgraph=False).
+RECOMPILE_LIMIT = 1024
+
+
+def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
+    """The dynamo settings every compilation of a preparation runs under."""
+    return torch._dynamo.config.patch(
+        # .item() of a float context gives dynamo a symbolic float: double-precision Python
+        # arithmetic inside the graph, no recompilation per value.
+        capture_scalar_outputs=True,
+        recompile_limit=RECOMPILE_LIMIT,
+        accumulated_recompile_limit=RECOMPILE_LIMIT,
+    )
+
+
+def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
+    return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821  (the entry's own global)
+
+
+def _fresh_entry_point(runner: Any, name: str) -> types.FunctionType:
+    """``runner`` behind a function with a code object and globals of its own.
+
+    Dynamo keeps compiled entries (and counts recompilations) per code object, and installs the
+    compiled graphs into the frame's globals: a code object per preparation keeps preparations
+    from sharing a recompile limit, and lets everything they compiled die with them.
+    """
+    code = _entry_template.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
+    return types.FunctionType(code, {"runner": runner, "__builtins__": __builtins__}, name)
+
 
 class _CountingCompiler:
-    """A ``torch.compile`` backend that counts what it is asked to compile, then delegates."""
+    """A ``torch.compile`` backend that counts the graphs it compiles for one runner, then delegates.
+
+    It holds its runner weakly: dynamo keeps every backend it has seen in a module-level cache.
+    """
 
     def __init__(self, owner: CompiledRunner, backend: AutoCompile) -> None:
-        self.owner = owner
+        self.owner = weakref.ref(owner)
+        options = dict(backend.options) if backend.options else None
         if backend.compiler == "inductor":
-            self.compiler: Any = torch._TorchCompileInductorWrapper(
-                backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
-            )
+            self.compiler: Any = torch._TorchCompileInductorWrapper(backend.mode, options, backend.dynamic)
         else:
-            self.compiler = torch._TorchCompileWrapper(
-                backend.compiler, backend.mode, dict(backend.options) if backend.options else None, backend.dynamic
-            )
+            self.compiler = torch._TorchCompileWrapper(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
         compiled = self.compiler(graph, example_inputs)
-        self.owner.num_compilations += 1
-        if not self.owner.prepared:  # only the preparation's graph may be called directly
-            self.owner.captured = (_placeholder_sources(graph), compiled)
-        if self.owner.prepared:
-            logger.warning(
-                "torchdi: AutoCompile recompiled %s after preparation (compilation %d): a static "
-                "argument (int, bool, str or object) or the grad mode changed. Prepare again for the "
-                "new value, or make it a traced value (a float or tensor, see to_device_tensor).",
-                self.owner.name,
-                self.owner.num_compilations,
-            )
+        owner = self.owner()
+        if owner is not None:
+            owner.graph_compiled(graph)
         return compiled
 
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ...: the real compiler's
         return getattr(self.compiler, name)
 
 
-def _fresh_entry_point(runner: Any) -> Any:
-    """``runner`` behind a function with a code object of its own.
+def _forget_backend(key: int) -> None:
+    from torch._dynamo import eval_frame
 
-    Dynamo keeps compiled entries per code object: runners built from the same engine code
-    would otherwise share one cache, and each new preparation would count against the others'
-    recompile limit (and evict them once it is hit).
-    """
-    global _entry_points
-    _entry_points += 1
-    name = f"torchdi_runner_{_entry_points}"
-    # A unique file name too: dynamo's automatic-dynamic and profile state is keyed by
-    # (file, line, name), and must not leak from one preparation to another.
-    source = f"def {name}(x, tangents, contexts):\n    return runner(x, tangents, contexts)\n"
-    namespace = {"runner": runner}
-    exec(compile(source, f"<{name}>", "exec"), namespace)  # fixed source, nothing user-provided
-    return namespace[name]
+    eval_frame.cached_backends.pop(key, None)
 
 
-_entry_points = 0
+def traced_view(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The contexts as ``f`` sees them inside a compiled program: every leaf translated by
+    ``to_device_tensor`` except Python floats, which ``f`` gets back as floats."""
+    leaves, spec = pytree.tree_flatten(values)
+    seen = [leaf if isinstance(leaf, float) else to_device_tensor(leaf, None) for leaf in leaves]
+    return pytree.tree_unflatten(seen, spec)
 
 
-def _placeholder_sources(graph: torch.fx.GraphModule) -> list[str] | None:
-    """Where dynamo reads each graph input from, as Python expressions over the frame's locals."""
-    sources = []
-    for node in graph.graph.nodes:
-        if node.op == "placeholder":
-            graph_arg = node.meta.get("grapharg")
-            if graph_arg is None or getattr(graph_arg, "source", None) is None:
-                return None
-            name = graph_arg.source.name
-            sources.append(name() if callable(name) else name)  # a method before torch 2.10
-    return sources
+def translated(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``to_device_tensor`` applied leaf by leaf (the pytree structure is kept as it is)."""
+    leaves, spec = pytree.tree_flatten(values)
+    return pytree.tree_unflatten([to_device_tensor(leaf, None) for leaf in leaves], spec)
 
 
-# Graph inputs the direct call may read: items of the runner's own arguments, nothing else
-# (no globals, closure cells or object attributes, which only dynamo's guards watch).
-_ARGUMENT_SOURCE = re.compile(r"L\['(x|tangents|contexts)'\](\[(\d+|'[^'\\]*')\])*")
+def float_positions(values: tuple[Any, ...]) -> tuple[int, ...]:
+    """The positions of Python floats among the flat leaves of ``values``."""
+    return tuple(i for i, leaf in enumerate(pytree.tree_leaves(values)) if isinstance(leaf, float))
 
 
-@dataclass(frozen=True)
-class _DirectCall:
-    """The compiled graph with the inputs it reads and the structure of what it returns."""
+def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
+    """``runner`` that turns the float64 0-d tensors at ``positions`` back into Python floats."""
+    if not positions:
+        return runner
 
-    compiled: Any
-    inputs: Any
-    output_spec: pytree.TreeSpec
-    rebuild: Any  # tree_unflatten for output_spec
-    n_leaves: int
-    slots: tuple[int, ...]  # positions of the graph's outputs among the result's leaves (others: None)
-    global_state: Any
+    def restore_floats(x: Any, tangents: Any, contexts: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(contexts)
+        for i in positions:
+            leaves[i] = leaves[i].item()
+        return runner(x, tangents, pytree.tree_unflatten(leaves, spec))
 
-    def result(self, outputs: Any) -> Any:
-        if len(self.slots) == self.n_leaves:
-            return self.rebuild(outputs)
-        leaves: list[Any] = [None] * self.n_leaves
-        for slot, output in zip(self.slots, outputs):
-            leaves[slot] = output
-        return self.rebuild(leaves)
+    return restore_floats
 
 
+class _FastEntry:
+    """One of dynamo's cache entries for the preparation: its guards and its transformed code."""
 
-def _rebuilder(spec: pytree.TreeSpec) -> Any:
-    """``tree_unflatten(leaves, spec)`` as a flat function (a few us less per call)."""
-    counter = iter(range(spec.num_leaves))
+    __slots__ = ("check", "code")
 
-    def expression(node: pytree.TreeSpec) -> str | None:
-        if node.is_leaf():
-            return f"leaves[{next(counter)}]"
-        children = node.children() if hasattr(node, "children") else node.children_specs
-        parts = [expression(child) for child in children]
-        if any(part is None for part in parts):
-            return None
-        if node.type is tuple:
-            return "(" + "".join(f"{part}, " for part in parts) + ")"
-        if node.type is list:
-            return "[" + ", ".join(parts) + "]"  # type: ignore[arg-type]
-        if node.type is dict and all(isinstance(key, str) for key in node.context):
-            return "{" + ", ".join(f"{key!r}: {part}" for key, part in zip(node.context, parts)) + "}"
-        return None
-
-    body = expression(spec)
-    if body is None:
-        return functools.partial(_unflatten, spec=spec)
-    return eval(f"lambda leaves: {body}", {})  # built from the spec's structure only
+    def __init__(self, check: Any, code: Any) -> None:
+        self.check = check
+        self.code = code
 
 
-def _unflatten(leaves: Any, spec: pytree.TreeSpec) -> Any:
-    return pytree.tree_unflatten(leaves, spec)
-
-
-def _direct_call(
-    captured: tuple[list[str] | None, Any], result: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]
-) -> _DirectCall | None:
-    """A ``_DirectCall`` when calling the compiled graph without dynamo is sound, else ``None``.
-
-    Sound when every graph input is a tensor item of ``(x, tangents, contexts)`` (the strict
-    check then guarantees their types, shapes, dtypes and devices), no tensor is passed twice
-    (dynamo would have merged the two inputs), every static leaf is an immutable value (the
-    strict check compares it by equality, while a mutable object such as a module may change
-    attributes that dynamo guards on), and the graph returns exactly the result's tensors.
-    """
-    sources, compiled = captured
-    if sources is None or not all(_ARGUMENT_SOURCE.fullmatch(source) for source in sources):
-        return None
-    leaves = pytree.tree_leaves((x, tangents, contexts))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if len({id(t) for t in tensors}) != len(tensors):
-        return None
-    if not all(isinstance(leaf, (torch.Tensor, *_IMMUTABLE_STATIC)) for leaf in leaves):
-        return None
-    # The graph returns the result's tensors; a runner's None (a value it was told to skip) is
-    # a constant of the output structure.
-    all_leaves, output_spec = pytree.tree_flatten(result)
-    if not all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in all_leaves):
-        return None
-    slots = tuple(i for i, leaf in enumerate(all_leaves) if leaf is not None)
-    result_leaves = [all_leaves[i] for i in slots]
-    body = ", ".join(source.replace("L['x']", "x").replace("L['tangents']", "tangents").replace("L['contexts']", "contexts") for source in sources)
-    inputs = eval(f"lambda x, tangents, contexts: ({body}{',' if sources else ''})", {})  # validated above
-    try:
-        outputs = compiled(*inputs(x, tangents, contexts))
-    except Exception:
-        return None
-    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(result_leaves):
-        return None
-    for got, want in zip(outputs, result_leaves):
-        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
-            return None
-    return _DirectCall(
-        compiled, inputs, output_spec, _rebuilder(output_spec), len(all_leaves), slots, torch._C._dynamo.guards.GlobalStateGuard()
-    )
-
-
-def _needs_translation(tree: Any) -> bool:
-    return any(
-        not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf
-        for leaf in pytree.tree_leaves(tree)
-    )
+def _contiguous(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tree)
 
 
 class CompiledRunner:
@@ -212,89 +157,189 @@ class CompiledRunner:
 
     Attributes:
         num_compilations: graphs compiled for this runner so far.
+        num_graphs: graphs compiled at preparation (more than one: graph breaks).
+        num_ops: operations captured in those graphs (0: nothing was compiled).
         name: the user's function, for messages.
     """
 
     def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str) -> None:
         self.num_compilations = 0
+        self.num_graphs = 0
+        self.num_ops = 0
         self.prepared = False
         self.name = f"{family} of {function_name}"
         self.backend = backend
-        self.translate_contexts = True
-        self.captured: tuple[list[str] | None, Any] | None = None
-        self.direct: _DirectCall | None = None
+        self.inner = runner
+        self.translate = True
+        self.float_positions: tuple[int, ...] = ()
+        self.entries: tuple[_FastEntry, ...] = ()
+        self.fast_path = False
+        self.compile_context = "at preparation"
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
         # static input buffers, filled in place each call, and clones the outputs it returns
         # (a later replay overwrites them).
         self.owns_buffers = backend.mode == "reduce-overhead"
         self.buffers: tuple[Any, Any, Any] | None = None
-        self._compiled = torch.compile(
-            _fresh_entry_point(runner),
-            backend=_CountingCompiler(self, backend),
-            fullgraph=backend.fullgraph,
-            # A preparation fixes shapes: by default (None) specialize them rather than let
-            # dynamo turn a changed size or int into a symbol after a strict=False call.
-            dynamic=False if backend.dynamic is None else backend.dynamic,
+        self._entry: types.FunctionType | None = None
+        self._compiled: Any = None
+        self._compiler = _CountingCompiler(self, backend)
+        weakref.finalize(self, _forget_backend, id(self._compiler))
+
+    # -- compilation -------------------------------------------------------------------------
+
+    def graph_compiled(self, graph: torch.fx.GraphModule) -> None:
+        """Called by the counting compiler for each graph compiled for this runner."""
+        self.num_compilations += 1
+        if not self.prepared:
+            self.num_graphs += 1
+            self.num_ops += sum(node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes)
+            return
+        logger.warning(
+            "torchdi: AutoCompile recompiled the %s after preparation (compilation %d) because %s. "
+            "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
+            self.name,
+            self.num_compilations,
+            self.compile_context,
         )
 
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Compile for these arguments' signatures (called once by ``prepare_*``)."""
-        self.translate_contexts = _needs_translation(contexts)
+        self.float_positions = float_positions(contexts)
+        self.translate = _needs_translation(contexts)
+        contexts = translated(contexts)
+        inner = _with_floats_restored(self.inner, self.float_positions)
+        self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{id(self):x}")
+        self._compiled = torch.compile(
+            self._entry,
+            backend=self._compiler,
+            fullgraph=self.backend.fullgraph,
+            # A preparation fixes shapes: by default (None) specialize them rather than let
+            # dynamo turn a changed size or int into a symbol after a strict=False call.
+            dynamic=False if self.backend.dynamic is None else self.backend.dynamic,
+        )
+        # The graph is compiled for contiguous inputs: a later call with another layout is
+        # copied into this one instead of recompiling per stride.
+        x, tangents, contexts = _contiguous((x, tangents, contexts))
         if self.owns_buffers:
-            translated = translate_contexts(contexts, None, x) if self.translate_contexts else contexts
             self.buffers = pytree.tree_map(
-                lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (x, tangents, translated)
+                lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (x, tangents, contexts)
             )
         try:
-            result = self(x, tangents, contexts)
+            # Preparing is compiling, whatever stance the caller runs under (a plain gradient's
+            # variant is prepared on its first call, inside a user's fail_on_recompile block).
+            with torch.compiler.set_stance("default"):
+                self._through_dynamo(x, tangents, contexts)
         except torch._dynamo.exc.Unsupported as error:
             reason = str(error).strip().splitlines()
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
                 f"{self.name} in one graph. Graph break: {' '.join(reason[:6])}\n"
-                "Remove the graph break from the function, or use AutoCompile(fullgraph=False)."
+                "Remove the graph break from the function (a logging call can be silenced for dynamo with "
+                "torch._dynamo.config.ignore_logger_methods), or use AutoCompile(fullgraph=False), which "
+                "compiles the pieces between graph breaks."
             ) from error
         self.prepared = True
-        captured, self.captured = self.captured, None
-        if self.num_compilations == 1 and captured is not None:
-            self.direct = _direct_call(captured, result, *self._arguments(x, tangents, contexts))
+        self._refresh_entries()
+        if self.num_ops == 0:
+            logger.warning(
+                "torchdi: AutoCompile captured no operation of the %s: it runs eagerly (graph breaks "
+                "everywhere). Run it with fullgraph=True to see why.",
+                self.name,
+            )
+        elif self.num_graphs > 1:
+            logger.warning(
+                "torchdi: AutoCompile split the %s into %d graphs (%d operations) at graph breaks; "
+                "fullgraph=True names them.",
+                self.name,
+                self.num_graphs,
+                self.num_ops,
+            )
+
+    def _refresh_entries(self) -> None:
+        """Read dynamo's cache entries for this preparation's code object, newest first.
+
+        The fast path runs an entry's transformed bytecode itself, which is only what dynamo
+        would run when that code calls nothing dynamo must still evaluate: no resume function
+        after a graph break. With graph breaks every call goes through dynamo.
+        """
+        assert self._entry is not None
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._entry.__code__)
+        fast = []
+        for entry in entries:
+            names = entry.code.co_names
+            if any(name.startswith("__resume") for name in names) or sum(name.startswith("__compiled_fn") for name in names) != 1:
+                self.fast_path = False
+                self.entries = ()
+                return
+            fast.append(_FastEntry(entry.guard_manager.check, types.FunctionType(entry.code, self._entry.__globals__)))
+        self.entries = tuple(fast)
+        self.fast_path = bool(fast)
+
+    def _through_dynamo(self, x: Any, tangents: Any, contexts: Any) -> Any:
+        """Call through ``torch.compile``'s entry point (guards, recompilation if one fails)."""
+        if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()
+        before = self.num_compilations
+        if self.prepared:
+            self.compile_context = self._failed_guard(x, tangents, contexts)
+        with _dynamo_config():
+            result = self._compiled(x, tangents, contexts)
+        if self.num_compilations != before and self.prepared:
+            self._refresh_entries()
+        return result
+
+    def _failed_guard(self, x: Any, tangents: Any, contexts: Any) -> str:
+        """Dynamo's words for why the newest cache entry does not serve these arguments."""
+        assert self._entry is not None
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._entry.__code__)
+        if not entries:
+            return "dynamo's cache for it was emptied (torch._dynamo.reset())"
+        frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
+        try:
+            info = entries[0].guard_manager.check_verbose(frame_locals)
+            parts = [" ".join(part.split()) for part in info.verbose_code_parts if part.strip()]
+        except Exception:  # a guard that cannot say why: the recompilation still happens
+            parts = []
+        return ("this guard failed: " + "; ".join(parts)) if parts else "one of dynamo's guards failed"
+
+    # -- calls ---------------------------------------------------------------------------------
 
     def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
         """What the compiled function takes: translated contexts, in owned buffers if any."""
-        if self.translate_contexts:
-            contexts = translate_contexts(contexts, None, x)
+        if self.translate:
+            contexts = translated(contexts)
         if self.buffers is None:
             return x, tangents, contexts
         return copyto_(self.buffers, (x, tangents, contexts))
+
+    def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
+        """Run the entry whose dynamo guards pass, else go through ``torch.compile``."""
+        x, tangents, contexts = self._arguments(x, tangents, contexts)
+        if self.fast_path and not self.owns_buffers:
+            frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
+            for entry in self.entries:
+                if entry.check(frame_locals):
+                    return entry.code(x, tangents, contexts)
+            # Another memory layout of the same values: copy to the compiled one rather than
+            # recompile per stride.
+            dense = _contiguous((x, tangents, contexts))
+            frame_locals = {"x": dense[0], "tangents": dense[1], "contexts": dense[2]}
+            for entry in self.entries:
+                if entry.check(frame_locals):
+                    return entry.code(*dense)
+        return self._finish(self._through_dynamo(x, tangents, contexts))
 
     def _finish(self, result: Any) -> Any:
         if self.owns_buffers:
             return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
         return result
 
-    def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
-        """Run through ``torch.compile``'s entry point: dynamo evaluates its guards first."""
-        if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
-            torch.compiler.cudagraph_mark_step_begin()
-        return self._finish(self._compiled(*self._arguments(x, tangents, contexts)))
 
-    def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
-        """Run a call whose strict check has passed: the compiled graph directly when sound.
-
-        The strict check already guarantees what dynamo's guards would check of the arguments
-        (structure, types, shapes, dtypes, devices, static values); the global state (grad
-        mode, autocast, default dtype, ...) is checked here. Strides are not in the signature:
-        inductor's compiled code asserts them and a mismatch goes through dynamo instead.
-        """
-        direct = self.direct
-        if direct is None or self.owns_buffers or not direct.global_state.check():
-            return self(x, tangents, contexts)
-        arguments = self._arguments(x, tangents, contexts)
-        try:
-            outputs = direct.compiled(*direct.inputs(*arguments))
-        except AssertionError:  # inductor's size/stride assertion on an input
-            return self._compiled(*arguments)
-        return direct.result(outputs)
+def _needs_translation(tree: Any) -> bool:
+    return any(
+        not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf
+        for leaf in pytree.tree_leaves(tree)
+    )
 
 
 class CompileEngine:
@@ -307,7 +352,10 @@ class CompileEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        from torchdi.runners import build_runner
-
         inner = build_runner(self.backend.inner, family, f, spec)
         return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+
+    @staticmethod
+    def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What ``f`` receives as contexts inside the compiled program (for preparation's own call)."""
+        return traced_view(values)

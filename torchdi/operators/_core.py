@@ -207,8 +207,17 @@ def prepare_operator(
     values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
-    with torch.no_grad(), _refuse_mutation(x, values, mask, operator):
-        y = bound(x_run, values)
+    engine = engine_for(backend)
+    # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
+    seen_by_f = getattr(engine, "contexts_seen_by_f", None)
+    try:
+        with torch.no_grad(), _refuse_mutation(x, values, mask, operator):
+            y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
+    except Exception as error:
+        note = None if seen_by_f is None else _translation_note(values)
+        if note:
+            error.add_note(note)
+        raise
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
@@ -231,10 +240,10 @@ def prepare_operator(
         raise TypeError(f"{operator} takes no tangents")
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents)
-    engine = engine_for(backend)
     batched = None if tangents is None else _batch_tangents(tangents)
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
-    # a bandwidth-bound function): compile that variant too, for the plain operator.
+    # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
+    # use (a training loop that only calls value_and_gradient never compiles it).
     lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
     lean = None
     if spec.x.numel == 0 or spec.y.numel == 0:
@@ -244,7 +253,8 @@ def prepare_operator(
     else:
         runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
         if lean_spec is not None and value is None:
-            lean = _built(backend, family, bound, lean_spec, x_run, batched, values)
+            def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
+                return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
     expected = _received(x, tangents, values, mask, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -351,7 +361,7 @@ def run_operator(
     values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
-    call = prep.call if value or prep.lean_call is None else prep.lean_call
+    call = prep.call if value else prep.plain_call(x_run, batched, values)
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
     try:
