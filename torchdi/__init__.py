@@ -43,7 +43,7 @@ from torchdi.operators import (
     value_gradient_and_hessian,
 )
 from torchdi.prep import Prep, PreparationMismatchError
-from torchdi.translate import StaticFloat, copyfrom, copyto_, to_device_tensor
+from torchdi.translate import Static, copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
 
@@ -59,7 +59,7 @@ __all__ = [
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
-    "StaticFloat",
+    "Static",
     "UnsupportedOperatorError",
     "check_available",
     "copyfrom",

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.translate import StaticFloat, to_device_tensor
+from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
 
-_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, StaticFloat)
+_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, Static)
 
 
 class PreparationMismatchError(ValueError):
@@ -30,7 +30,7 @@ class PreparationMismatchError(ValueError):
 def _static_key(obj: Any) -> Any:
     """How a static leaf is compared across calls, without keeping the user's object alive.
 
-    Immutable values (ints, strings, ``StaticFloat`` ...) are compared by value. Any other
+    Immutable values (ints, strings, ``Static`` wrappers ...) are compared by value. Any other
     object is described by its type only: comparing it with ``==`` may be ambiguous (tensors
     inside a dataclass) and remembering it would keep it alive; what a compiled program reads
     from it is watched by the compiler's own guards, which recompile (counted and logged)
@@ -66,7 +66,7 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
     registered pytree node: dict, ``OrderedDict``, list, tuple, namedtuple, user nodes) by type,
     keys and the descriptions of their items; a type registered with ``to_device_tensor`` by
     the description of its translation. Other leaves are static: with ``keep_static`` an
-    immutable value (int, str, ``StaticFloat`` ...) is part of the description, since a compiled
+    immutable value (int, str, ``Static(value)`` ...) is part of the description, since a compiled
     program bakes it in; other objects are described by their type.
 
     Example::
@@ -81,8 +81,6 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
         return (dict, tuple((key, describe(value, keep_static)) for key, value in obj.items()))
     if kind is tuple or kind is list or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
         return (kind, tuple(describe(item, keep_static) for item in obj))
-    if isinstance(obj, StaticFloat):
-        return (kind, float(obj)) if keep_static else (kind,)
     if isinstance(obj, (float, complex, np.generic)) and not isinstance(obj, (bool, np.bool_)):
         return (kind,)
     if isinstance(obj, np.ndarray):
@@ -94,7 +92,9 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
         children, context = node.flatten_fn(obj)
         return (kind, tuple(describe(child, keep_static) for child in children), _context_key(context))
     if _translates(kind):
-        return (kind, "translated", describe(to_device_tensor(obj, None), keep_static))
+        translated = to_device_tensor(obj, None)
+        if translated is not obj:  # a user type made traced; Static and the like stay static
+            return (kind, "translated", describe(translated, keep_static))
     if keep_static:
         return (kind, _static_key(obj))
     return (kind,)

@@ -288,26 +288,28 @@ def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, 
 
 
 def _translation_note(values: tuple[Any, ...]) -> str | None:
-    """Say which context values ``f`` received translated (``to_device_tensor``) and how to
-    keep one static: errors from Python-level use of them (``math.sqrt(c)``, ``arr.astype``)
+    """Say which context values a compiled ``f`` receives traced (``to_device_tensor``) and how
+    to keep one static: errors from Python-level use of them (``arr.astype``, ``range(int(c))``)
     otherwise read like unrelated tracing failures."""
-    translated = []
+    traced = []
     for i, value in enumerate(values):
         for path, leaf in pytree.tree_flatten_with_path(value)[0]:
             if isinstance(leaf, torch.Tensor):
                 continue
-            new = to_device_tensor(leaf, None)
-            if new is not leaf and isinstance(new, torch.Tensor):
-                translated.append(f"context {i + 1}{_path(path)} ({type(leaf).__name__})")
-    if not translated:
+            name = f"context {i + 1}{_path(path)} ({type(leaf).__name__})"
+            if type(leaf) is float:
+                traced.append(f"{name} as a traced (symbolic) float")
+            elif isinstance(to_device_tensor(leaf, None), torch.Tensor):
+                traced.append(f"{name} as torch.Tensor")
+    if not traced:
         return None
     return (
-        f"torchdi note: the compiled function received {', '.join(translated)} as torch.Tensor: compiled "
-        "backends translate numpy arrays, numpy scalars and Python floats/complexes into traced tensors "
-        "(torchdi.to_device_tensor) so that a new value does not recompile. Use torch operations on them "
-        "(torch.sqrt, tensor methods rather than math or numpy), or keep the value static (baked into the "
-        "program; a new value needs a new preparation): wrap a float as torchdi.StaticFloat(value), pass "
-        "an int or str, or register your own type with torchdi.to_device_tensor to return it unchanged."
+        f"torchdi note: the compiled function received {', '.join(traced)}: compiled backends trace "
+        "numpy arrays, numpy scalars and Python floats (torchdi.to_device_tensor) so that a new value "
+        "does not recompile. Use torch operations on them (tensor methods rather than numpy's), or keep "
+        "the value static (baked into the program; a new value needs a new preparation): pass "
+        "torchdi.Static(value) and read .value in f, pass an int or str, or register your own type with "
+        "torchdi.to_device_tensor to return it unchanged."
     )
 
 
