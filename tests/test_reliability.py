@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import subprocess
+import sys
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -393,10 +395,25 @@ def test_item12_compiled_second_derivative_with_tensor_constant() -> None:
     a = torch.tensor(2.0)
     f = lambda t, a: torch.sin(t * a)  # noqa: E731
     prep = td.prepare_second_derivative(f, COMPILED, torch.tensor(1.0), Constant(a))
+    compilations = prep.num_compilations
     for t, scale in ((1.0, 2.0), (0.3, -1.5)):
         got = td.second_derivative(f, COMPILED, torch.tensor(t), Constant(torch.tensor(scale)), prep=prep)
         torch.testing.assert_close(got, torch.tensor(-(scale**2) * math.sin(t * scale)))
-    assert prep.num_compilations == 1
+    assert prep.num_compilations == compilations
+
+
+def test_item12_inductor_second_derivative_with_tensor_constant_does_not_crash() -> None:
+    # Nested jvps over a closed-over tensor gave inductor an "efficient zero" tangent that it
+    # wrote into: a segfault, hence a subprocess (inductor is the point here, not aot_eager).
+    script = (
+        "import torch, torchdi as td\n"
+        "f = lambda t, a: torch.sin(t * a)\n"
+        "prep = td.prepare_second_derivative(f, td.AutoCompile(), torch.tensor(1.0), td.Constant(torch.tensor(2.0)))\n"
+        "print(td.second_derivative(f, td.AutoCompile(), torch.tensor(0.5), td.Constant(torch.tensor(3.0)), prep=prep).item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) == pytest.approx(-9.0 * math.sin(1.5), rel=1e-5)
 
 
 # --- item 13: one naming of arguments in every message --------------------------------------------

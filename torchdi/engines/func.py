@@ -108,12 +108,25 @@ class FuncEngine:
     def _second_derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             one = torch.ones_like(x)
+            # Context tensors enter both jvps as primals with explicit zero tangents. Closed over,
+            # their tangents are "efficient zero" tensors, which inductor reuses as an output
+            # buffer and writes into: a segfault for sin(t * a) with a tensor Constant a.
+            leaves, context_spec = pytree.tree_flatten(contexts)
+            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
+            tensors = tuple(leaves[i] for i in positions)
+            zeros = tuple(torch.zeros_like(t) for t in tensors)
 
-            def value_and_derivative(x_: torch.Tensor) -> tuple[Any, Any]:
-                y_, dy_ = _jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+            def with_contexts(x_: torch.Tensor, *tensors_: torch.Tensor) -> Any:
+                inner = list(leaves)
+                for i, tensor in zip(positions, tensors_):
+                    inner[i] = tensor
+                return f(x_, pytree.tree_unflatten(inner, context_spec))
+
+            def value_and_derivative(x_: torch.Tensor, *tensors_: torch.Tensor) -> tuple[Any, Any]:
+                y_, dy_ = _jvp(with_contexts, (x_, *tensors_), (one, *zeros))
                 return y_, _like_primal(dy_, y_)
 
-            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x,), (one,))
+            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x, *tensors), (one, *zeros))
             return y, dy, _like_primal(d2y, y)
 
         return run
