@@ -321,6 +321,12 @@ def _without_inference_tensors(tree: Any) -> Any:
     """
     if isinstance(tree, torch.Tensor):
         return tree.clone() if tree.is_inference() else tree
+    if type(tree) is tuple and not tree:  # no contexts: the common case, without a pytree walk
+        return tree
+    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):  # parameters
+        if not any(v.is_inference() for v in tree.values()):
+            return tree
+        return {k: v.clone() if v.is_inference() else v for k, v in tree.items()}
     leaves, spec = pytree.tree_flatten(tree)
     if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
         return tree
