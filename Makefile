@@ -7,7 +7,7 @@ XLA_VENV := .venv-xla
 XLA_VERSION := 2.9.0
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: test test-main test-xla lint bench check clean
+.PHONY: test test-main test-xla lint bench check clean docs docs-check
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check torchdi tests benchmarks examples
 	$(VENV)/bin/mypy
 
+# The docstring examples run as doctests with the core suite (conftest.py provides torch, torchdi).
 test-main: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q tests --ignore=tests/xla
+	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla
 
 $(XLA_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
@@ -32,7 +33,20 @@ $(XLA_VENV)/.installed: setup.cfg pyproject.toml
 test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 
-test: lint test-main test-xla
+test: lint test-main test-xla docs-check
+
+# The documentation site (Sphinx, docs/): its own extra, warnings are errors.
+$(VENV)/.docs-installed: $(VENV)/.installed setup.cfg
+	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
+# Cheap check for make test: every page parsed and every docstring imported, nothing written.
+docs-check: $(VENV)/.docs-installed
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b dummy docs docs/_build/dummy
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m torchdi bench --quick
@@ -41,4 +55,4 @@ check: $(VENV)/.installed
 	$(VENV)/bin/python -m torchdi check
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info docs/_build docs/reference/api

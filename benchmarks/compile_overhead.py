@@ -214,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compiler", default="inductor")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown (the docs include it)")
     args = parser.parse_args(argv)
     rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats")
+    setting = f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats"
+    print(setting)
     print(format_rows(rows))
+    if args.markdown:
+        with open(args.markdown, "w") as file:
+            file.write(f"### `benchmarks/compile_overhead.py`\n\n{setting}.\n\n{format_rows(rows)}\n")
     return 0 if all(row["correct"] for row in rows) else 1
 
 

@@ -96,8 +96,10 @@ def cases() -> dict[str, dict[str, Callable[[], Any]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown (the docs include it)")
     args = parser.parse_args(argv)
     print(f"{'scenario':<30} {'implementation':<28} {'median per call':>16}")
+    rows = []
     for scenario, impls in cases().items():
         measures = {name: _per_call(fn) for name, fn in impls.items()}
         samples: dict[str, list[float]] = {name: [] for name in impls}
@@ -106,8 +108,21 @@ def main(argv: list[str] | None = None) -> int:
             for name in names[r % len(names):] + names[: r % len(names)]:
                 samples[name].append(measures[name]())
         for name, values in samples.items():
-            print(f"{scenario:<30} {name:<28} {statistics.median(values) * 1e6:>13.1f} us")
+            rows.append((scenario, name, statistics.median(values) * 1e6))
+            print(f"{scenario:<30} {name:<28} {rows[-1][2]:>13.1f} us")
         print()
+    if args.markdown:
+        lines = [
+            "### `benchmarks/raw_overhead.py`",
+            "",
+            f"torch {torch.__version__}, torch threads: {torch.get_num_threads()}; medians of {args.rounds} interleaved rounds.",
+            "",
+            "| scenario | implementation | median per call |",
+            "|---|---|---:|",
+            *[f"| {scenario} | {name} | {us:.1f} us |" for scenario, name, us in rows],
+        ]
+        with open(args.markdown, "w") as file:
+            file.write("\n".join(lines) + "\n")
     return 0
 
 

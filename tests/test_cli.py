@@ -106,4 +106,16 @@ def test_benchmark_scripts_load_as_suites() -> None:
     assert callable(cli._benchmark_main("raw_overhead"))
     if (Path(cli.__file__).resolve().parent.parent / "benchmarks" / "compile_overhead.py").is_file():
         assert callable(cli._benchmark_main("compile_overhead"))
+    assert callable(cli._benchmark_main("xla_overhead"))  # imports torch_xla only when run
     assert cli._benchmark_main("no_such_benchmark") is None
+
+
+def test_suite_gets_the_markdown_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --suite S --markdown FILE`` hands FILE to the suite's script (the docs include it)."""
+    import torchdi.__main__ as cli
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(cli, "_benchmark_main", lambda name: lambda argv: calls.append(argv) or 0)
+    assert main(["bench", "--suite", "raw-overhead", "--markdown", "out.md"]) == 0
+    assert main(["bench", "--suite", "raw-overhead"]) == 0
+    assert calls == [["--markdown", "out.md"], []]

@@ -10,11 +10,13 @@ from torchdi.backends import (
     AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     SecondOrder,
     check_available,
 )
 from torchdi.contexts import Cache, Constant
+from torchdi.differentiate_with import DifferentiateWith
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
 from torchdi.operators import (
     derivative,
@@ -43,6 +45,7 @@ from torchdi.operators import (
     value_gradient_and_hessian,
 )
 from torchdi.prep import Prep, PreparationMismatchError
+from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
 from torchdi.translate import Static, copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
@@ -52,14 +55,20 @@ __all__ = [
     "AutoCompile",
     "AutoFiniteDiff",
     "AutoFunc",
+    "AutoSparse",
     "AutoXLA",
     "BackendUnavailableError",
     "Cache",
     "Constant",
+    "DenseSparsity",
+    "DifferentiateWith",
+    "GreedyColoring",
+    "KnownSparsity",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",
     "Static",
+    "TracerSparsity",
     "UnsupportedOperatorError",
     "check_available",
     "copyfrom",

@@ -175,7 +175,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if main is None:
             raise UsageError(f"benchmarks/{module}.py (with a main()) is not in this checkout")
         # Its own options: python benchmarks/compile_overhead.py --help
-        result = main([]) if inspect.signature(main).parameters else main()
+        forwarded = ["--markdown", args.markdown] if args.markdown else []  # the docs include it
+        result = main(forwarded) if inspect.signature(main).parameters else main()
         return int(result or 0)
     if args.plot and not has_matplotlib():
         raise UsageError("--plot needs matplotlib: pip install 'torchdi[bench]' (or pip install matplotlib)")
@@ -341,8 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--operators", action="append", metavar="NAMES", help="keep only scenarios of these operators")
     bench.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart (needs matplotlib: the bench extra)")
-    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead"], default="differentiation",
-                       help="compile-overhead / raw-overhead run benchmarks/compile_overhead.py / raw_overhead.py (source checkout)")
+    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead", "sparse", "xla-overhead"],
+                       default="differentiation",
+                       help="compile-overhead / raw-overhead / sparse / xla-overhead run benchmarks/<name>.py "
+                       "(source checkout; xla-overhead in .venv-xla)")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     bench.add_argument("--scenarios", action="append", help=argparse.SUPPRESS)
     bench.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ __all__ = [
     "AutoCompile",
     "AutoFiniteDiff",
     "AutoFunc",
+    "AutoSparse",
     "AutoXLA",
     "Backend",
     "SecondOrder",
@@ -150,8 +151,75 @@ class SecondOrder:
                 raise TypeError(f"SecondOrder: {name} must be a torchdi backend, got {value!r}")
 
 
-Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder
-_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder)
+@dataclass(frozen=True)
+class AutoSparse:
+    """Sparse jacobians and hessians from colour-compressed passes of a dense backend.
+
+    At preparation the sparsity pattern is detected (``sparsity``), its columns or rows are
+    coloured so that structurally orthogonal ones share one pass (``coloring``), and the dense
+    backend's *batched* pushforward, pullback (jacobian) or HVP (hessian) is prepared once on the
+    colour seeds (one compiled program on compiled backends, never recompiled). Each call runs
+    the compressed passes and decompresses into a sparse CSR tensor (``x`` and ``y`` flattened):
+    ``.to_dense().reshape(y.shape + x.shape)`` gives the dense layout, ``.to_sparse_coo()`` COO.
+    The jacobian uses forward mode (column colouring) or reverse mode (row colouring), whichever
+    needs fewer colours. Other operators go to ``dense`` unchanged.
+
+    Args:
+        dense: the torchdi backend that runs the compressed passes (``AutoFunc()``,
+            ``AutoCompile()``, ``AutoXLA()``, ``AutoAutograd()``, ...).
+        sparsity: ``TracerSparsity()`` (global, from ``f``'s graph), ``DenseSparsity()`` (local, at
+            the preparation point) or ``KnownSparsity(pattern)``.
+        coloring: ``GreedyColoring(order=...)``.
+
+    The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors``, ``colors``,
+    ``groups`` (the indices of each colour), ``sparse_mode`` (``"forward"``, ``"reverse"`` or
+    ``"star"``) and ``sparsity_fallbacks`` (ops the tracer had no rule for).
+
+    Example::
+
+        >>> backend = torchdi.AutoSparse(torchdi.AutoFunc())
+        >>> prep = torchdi.prepare_jacobian(torch.diff, backend, torch.ones(5))
+        >>> prep.ncolors
+        2
+        >>> torchdi.jacobian(torch.diff, backend, torch.arange(5.0), prep=prep).to_dense()
+        tensor([[-1.,  1.,  0.,  0.,  0.],
+                [ 0., -1.,  1.,  0.,  0.],
+                [ 0.,  0., -1.,  1.,  0.],
+                [ 0.,  0.,  0., -1.,  1.]])
+    """
+
+    dense: Backend = field(default_factory=lambda: AutoFunc())
+    sparsity: Any = field(default_factory=lambda: _default_sparsity())
+    coloring: Any = field(default_factory=lambda: _default_coloring())
+
+    def __post_init__(self) -> None:
+        from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
+
+        if not isinstance(self.dense, _BACKEND_TYPES) or isinstance(self.dense, AutoSparse):
+            raise TypeError(f"AutoSparse: dense must be a dense torchdi backend such as AutoFunc() or AutoCompile(), got {self.dense!r}")
+        if not isinstance(self.sparsity, (TracerSparsity, DenseSparsity, KnownSparsity)):
+            raise TypeError(
+                "AutoSparse: sparsity must be TracerSparsity(), DenseSparsity(...) or KnownSparsity(pattern), "
+                f"got {self.sparsity!r}"
+            )
+        if not isinstance(self.coloring, GreedyColoring):
+            raise TypeError(f"AutoSparse: coloring must be GreedyColoring(...), got {self.coloring!r}")
+
+
+def _default_sparsity() -> Any:
+    from torchdi.sparsity import TracerSparsity
+
+    return TracerSparsity()
+
+
+def _default_coloring() -> Any:
+    from torchdi.sparsity import GreedyColoring
+
+    return GreedyColoring()
+
+
+Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder | AutoSparse
+_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder, AutoSparse)
 
 
 def check_available(backend: Backend) -> bool:
@@ -173,6 +241,8 @@ def unavailable_reason(backend: Backend) -> str | None:
         return unavailable_reason(backend.outer) or unavailable_reason(backend.inner)
     if isinstance(backend, AutoCompile):
         return unavailable_reason(backend.inner)
+    if isinstance(backend, AutoSparse):
+        return unavailable_reason(backend.dense)
     if isinstance(backend, AutoXLA):
         if importlib.util.find_spec("torch_xla") is None:
             return "AutoXLA needs the 'torch_xla' package (pip install torchdi[xla]; torch-xla pins its torch version)"

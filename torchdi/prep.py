@@ -215,6 +215,16 @@ class Prep:
         self.keep_static = keep_static
         self.output_shape = output_shape
 
+    def __getattr__(self, name: str) -> Any:
+        # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
+        try:
+            published = object.__getattribute__(self, "runner").published
+        except AttributeError:
+            published = {}
+        if name in published:
+            return published[name]
+        raise AttributeError(f"'Prep' object has no attribute {name!r}")
+
     def plain_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Callable[..., Any]:
         """What the plain operator (no value) runs: its own variant when the engine has one,
         prepared on the first call that needs it (and counted in ``num_compilations``)."""
@@ -230,9 +240,12 @@ class Prep:
         return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
 
     def __repr__(self) -> str:
+        # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
+        paths = [getattr(r, "path", None) for r in (self.runner, self.lean_runner) if r is not None]
+        path = "".join(f", path={p!r}" for p in dict.fromkeys(paths) if p is not None)
         return (
             f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
-            f"num_compilations={self.num_compilations})"
+            f"num_compilations={self.num_compilations}{path})"
         )
 
     def check(

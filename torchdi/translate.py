@@ -207,6 +207,9 @@ def copyto_(dst: Any, src: Any) -> Any:
                 raise ValueError(
                     f"copyto_: shape mismatch at leaf {i}: destination {tuple(d.shape)}, source {tuple(s.shape)}"
                 )
+            if d.layout == torch.sparse_csr:
+                _copy_csr_values(d, s, i)
+                continue
             d.copy_(s)
         elif d is not s and d != s:
             raise ValueError(
@@ -214,6 +217,19 @@ def copyto_(dst: Any, src: Any) -> Any:
                 "from the source: it cannot be overwritten in place"
             )
     return dst
+
+
+def _copy_csr_values(dst: torch.Tensor, src: torch.Tensor, leaf: int) -> None:
+    """Fill a sparse CSR ``dst`` in place from ``src`` of the same sparsity pattern (values only)."""
+    if src.layout != torch.sparse_csr or not (
+        torch.equal(dst.crow_indices(), src.crow_indices().to(dst.device))
+        and torch.equal(dst.col_indices(), src.col_indices().to(dst.device))
+    ):
+        raise ValueError(
+            f"copyto_: leaf {leaf} is a sparse CSR destination; the source must be a CSR tensor with the same "
+            "sparsity pattern (crow_indices and col_indices), e.g. a result of the same AutoSparse preparation"
+        )
+    dst.values().copy_(src.values())
 
 
 def copyfrom(src: Any, out: Any = None) -> Any:

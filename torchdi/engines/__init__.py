@@ -11,6 +11,7 @@ from torchdi.backends import (
     AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     Backend,
     SecondOrder,
@@ -46,4 +47,8 @@ def engine_for(backend: Backend) -> Engine:
         from torchdi.engines.xla import XLAEngine
 
         return XLAEngine(backend)
+    if isinstance(backend, AutoSparse):
+        from torchdi.engines.sparse import SparseEngine
+
+        return SparseEngine(backend)
     raise TypeError(f"not a torchdi backend: {backend!r}")

@@ -46,6 +46,14 @@ logger = logging.getLogger("torchdi")
 RECOMPILE_LIMIT = 1024
 
 
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once", "info_once")
+
+
+def _logging_calls() -> set[Any]:
+    """``logging.Logger`` methods (and the ``*_once`` ones libraries such as transformers add)."""
+    return {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+
+
 def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
     """The dynamo settings every compilation of a preparation runs under."""
     return torch._dynamo.config.patch(
@@ -54,6 +62,9 @@ def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
         capture_scalar_outputs=True,
         recompile_limit=RECOMPILE_LIMIT,
         accumulated_recompile_limit=RECOMPILE_LIMIT,
+        # A logging call is a graph break in dynamo, and real model code logs (transformers'
+        # losses do): the compiled program skips such calls; f's eager run at preparation logs.
+        ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | _logging_calls(),
     )
 
 
@@ -99,10 +110,21 @@ class _CountingCompiler:
         return getattr(self.compiler, name)
 
 
-def _forget_backend(key: int) -> None:
+def _release(key: int, entry: list[types.FunctionType]) -> None:
+    """Free what dynamo holds for a dropped preparation.
+
+    Dynamo keeps its backend in a module-level cache, and keeps the globals of a compiled frame
+    (where it installs the compiled graphs, next to the runner and so ``f``) alive through a
+    cleanup hook tied to the cache entry on the frame's code object: a cycle through C-level
+    state that the garbage collector cannot see. Emptying the cache and dropping the runner from
+    those globals breaks it (dynamo's own hooks remove the names it installed).
+    """
     from torch._dynamo import eval_frame
 
     eval_frame.cached_backends.pop(key, None)
+    if entry:
+        torch._C._dynamo.eval_frame.reset_code(entry[0].__code__)
+        entry[0].__globals__.pop("runner", None)
 
 
 def traced_view(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -159,6 +181,8 @@ class CompiledRunner:
         num_compilations: graphs compiled for this runner so far.
         num_graphs: graphs compiled at preparation (more than one: graph breaks).
         num_ops: operations captured in those graphs (0: nothing was compiled).
+        autocast: the autocast regions (device type -> dtype) active at preparation; calling
+            under other ones recompiles, as raw ``torch.compile`` does.
         name: the user's function, for messages.
     """
 
@@ -172,6 +196,7 @@ class CompiledRunner:
         self.inner = runner
         self.translate = True
         self.float_positions: tuple[int, ...] = ()
+        self.autocast: dict[str, torch.dtype] = {}
         self.entries: tuple[_FastEntry, ...] = ()
         self.fast_path = False
         self.compile_context = "at preparation"
@@ -183,7 +208,8 @@ class CompiledRunner:
         self._entry: types.FunctionType | None = None
         self._compiled: Any = None
         self._compiler = _CountingCompiler(self, backend)
-        weakref.finalize(self, _forget_backend, id(self._compiler))
+        self._entry_holder: list[types.FunctionType] = []  # what the finalizer releases
+        weakref.finalize(self, _release, id(self._compiler), self._entry_holder)
 
     # -- compilation -------------------------------------------------------------------------
 
@@ -204,11 +230,13 @@ class CompiledRunner:
 
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Compile for these arguments' signatures (called once by ``prepare_*``)."""
+        self.autocast = _autocast_state()
         self.float_positions = float_positions(contexts)
         self.translate = _needs_translation(contexts)
         contexts = translated(contexts)
         inner = _with_floats_restored(self.inner, self.float_positions)
         self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{id(self):x}")
+        self._entry_holder.append(self._entry)
         self._compiled = torch.compile(
             self._entry,
             backend=self._compiler,
@@ -234,9 +262,10 @@ class CompiledRunner:
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
                 f"{self.name} in one graph. Graph break: {' '.join(reason[:6])}\n"
-                "Remove the graph break from the function (a logging call can be silenced for dynamo with "
-                "torch._dynamo.config.ignore_logger_methods), or use AutoCompile(fullgraph=False), which "
-                "compiles the pieces between graph breaks."
+                "Remove the graph break from the function (print calls, .item()/.tolist() of values, "
+                "data-dependent Python control flow and calls into non-PyTorch libraries are the usual "
+                "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
+                "breaks (preparation then logs how much was captured)."
             ) from error
         self.prepared = True
         self._refresh_entries()
@@ -246,10 +275,11 @@ class CompiledRunner:
                 "everywhere). Run it with fullgraph=True to see why.",
                 self.name,
             )
-        elif self.num_graphs > 1:
+        elif self.num_graphs > 1 or not self.fast_path:
             logger.warning(
-                "torchdi: AutoCompile split the %s into %d graphs (%d operations) at graph breaks; "
-                "fullgraph=True names them.",
+                "torchdi: AutoCompile captured the %s in %d graph(s) of %d operation(s) in all; graph "
+                "breaks leave the rest to eager Python, and every call goes through dynamo. "
+                "fullgraph=True names the graph breaks.",
                 self.name,
                 self.num_graphs,
                 self.num_ops,
@@ -333,6 +363,15 @@ class CompiledRunner:
         if self.owns_buffers:
             return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
         return result
+
+
+def _autocast_state() -> dict[str, torch.dtype]:
+    """The autocast regions active now, by device type (what a compiled program bakes in)."""
+    return {
+        device: torch.get_autocast_dtype(device)
+        for device in ("cpu", "cuda", "xpu", "mps")
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    }
 
 
 def _needs_translation(tree: Any) -> bool:

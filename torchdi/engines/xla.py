@@ -1,36 +1,56 @@
-"""``AutoXLA``: the inner backend's runner traced lazily by torch-xla and compiled by XLA.
+"""``AutoXLA``: the inner backend's runner traced once through torch-xla's dynamo bridge.
 
-torch-xla records operations on XLA tensors and compiles the graph when results are needed;
-graphs are cached by structure, so new *values* reuse the compiled program. Three rules keep it
-that way (each measured on torch-xla 2.9's CPU client):
+Preparation compiles ``torch.compile(runner, backend="openxla")``: dynamo captures the runner
+(the same one ``AutoCompile`` compiles) in one graph, torch-xla lowers it to an XLA program
+once, and every later call only runs the cached program (``_run_cached_graph``). Every call goes
+through ``torch.compile``'s entry point, so dynamo checks all of its guards (globals, closure
+cells, attributes, grad mode): a failed guard recompiles, is counted and logged, and a result
+is never stale.
 
-- Only this call's outputs are materialized (``_xla_sync_multi``), never everything pending
-  (``torch_xla.sync()``), which would pull stray intermediates into a new graph.
-- A 0-d value equal to 0 or 1 is compiled in as a constant, and equal scalars share device
-  data: every 0-d leaf therefore travels as a shape-(1,) buffer viewed as 0-d.
-- Python floats become 0-d tensors (``to_device_tensor``, in ``x``'s precision), i.e. data; ints, strings and other
-  objects are static and part of the graph (the strict check compares them).
+What is traced follows ``AutoCompile``'s one rule: each leaf of ``x``, the tangents and the
+contexts goes through ``translate_contexts``/``to_device_tensor``; tensors are graph inputs
+(new values never recompile), anything else is static. Three details keep it that way on
+torch-xla (measured on torch-xla 2.9's CPU client):
 
-With ``reuse_buffers=True`` the runner owns device buffers for ``x``, the tangents and the tensor
-contexts, fills them in place each call (``copyto_``) and brings results back with ``copyfrom``.
-Inputs that already live on the XLA device are used as they are, and results then stay there.
+- A 0-d tensor equal to 0 or 1 becomes a compile-time constant on an XLA device (and is then
+  synced by the bridge on every call): 0-d leaves travel as shape-(1,) device buffers and are
+  viewed as 0-d *inside* the graph.
+- Randomness: the bridge feeds the device's RNG seed to the program as an input. When the
+  graph has random ops, each call seeds it from the host generator, so results are fresh each
+  call, reproducible under ``torch.manual_seed``, and never recompile.
+- An ``nn.Module`` context is replaced by a replica whose parameters and buffers live on the
+  device (made once at preparation, owned by the runner). Before each call the replica takes
+  the values of host tensors whose version counter moved (an optimizer step) and the host
+  modules' ``training`` flags.
 
-``num_compilations`` counts torch-xla's ``UncachedCompile`` events during this runner's calls.
+Where dynamo cannot capture the runner in one graph, the runner falls back to lazy tensors
+(torch-xla traces it on every call and caches compiled programs by graph structure); the
+fallback and its cause are logged and shown in the ``Prep``'s repr (``path``).
+
+``torch.autocast`` is refused: an XLA program does not see the host's autocast state, and
+running it in full precision would silently ignore the user's request.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from typing import Any, ClassVar
+import logging
+import types
+import weakref
+from typing import Any, ClassVar, cast
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoXLA
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.translate import copyfrom, copyto_, translate_contexts
+from torchdi.translate import to_device_tensor, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
+
+logger = logging.getLogger("torchdi")
 
 
 @functools.cache
@@ -78,78 +98,361 @@ def _is_xla(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "xla"
 
 
-class XLARunner:
-    """A runner executed on an XLA device; the first call (``warm_up``) compiles.
+def _refuse_autocast(name: str) -> None:
+    """Raise when ``torch.autocast`` is on: the XLA program would silently ignore it."""
+    for device_type in ("cpu", "cuda", "xla"):
+        if torch.is_autocast_enabled(device_type):
+            raise RuntimeError(
+                f"AutoXLA ({name}): torch.autocast is enabled for {device_type!r} "
+                f"(dtype {torch.get_autocast_dtype(device_type)}), and AutoXLA does not apply autocast to the "
+                "XLA program: it would silently run in full precision. Call it outside autocast, and cast "
+                "inside f where lower precision is wanted (e.g. x.to(torch.bfloat16))."
+            )
 
-    Attributes:
-        num_compilations: XLA compilations during this runner's calls.
-        buffers: the device buffers it owns (``reuse_buffers=True``), one per tensor leaf of
-            ``(x, tangents, contexts)`` that did not already live on the device.
+
+def _is_random(node: torch.fx.Node) -> bool:
+    """Whether an aten-level graph node draws random numbers."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
+class _CountingOpenXLA:
+    """The ``openxla`` dynamo backend, counting the graphs it is asked to compile for one runner.
+
+    It is torch's own ``openxla`` backend (``aot_autograd`` with torch-xla's bridge as forward
+    compiler), rebuilt here so that the forward graph can be inspected for random ops.
     """
 
-    def __init__(self, runner: Any, backend: AutoXLA) -> None:
+    def __init__(self, owner: XLARunner) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+        self.owner = weakref.ref(owner)  # the runner owns this compiler, not the reverse
+        self._openxla_eval_boxed = openxla_eval_boxed
+        from torch._decomp import get_decompositions
+
+        # torch-xla lowers batch norm's backward only in training mode (an eval-mode BatchNorm
+        # fails with "size of mean should be compatible"): decompose it into elementwise ops.
+        self._aot = aot_autograd(
+            fw_compiler=self._forward,
+            decompositions=get_decompositions([torch.ops.aten.native_batch_norm_backward]),
+        )
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled = self._aot(graph, example_inputs)
+        owner = self.owner()
+        if owner is not None:
+            owner.num_compilations += 1
+            if owner.prepared:
+                logger.warning(
+                    "torchdi: AutoXLA recompiled %s after preparation (compilation %d): a guard of "
+                    "torch.compile failed (a global or closure value read by f, a static argument, "
+                    "a module attribute or the grad mode changed).",
+                    owner.name,
+                    owner.num_compilations,
+                )
+        return compiled
+
+    def _forward(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        owner = self.owner()
+        if owner is not None and any(_is_random(node) for node in graph.graph.nodes):
+            owner.random = True
+        return _ExtractOnCopies(self._openxla_eval_boxed(graph, example_inputs))
+
+
+class _ExtractOnCopies:
+    """The bridge's compiled function, first called (where it traces and keeps its arguments
+    for good) on copies of the arguments: with zero-copy inputs those alias the user's memory,
+    which a prep must not keep alive. Later calls pass the arguments through."""
+
+    _boxed_call = True  # aot_autograd's calling convention: one list of arguments
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled: Any = compiled
+        self.extracted = False
+
+    def __call__(self, args: list[Any]) -> Any:
+        if not self.extracted:
+            self.extracted = True
+            args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        return self.compiled(args)
+
+
+def _fresh_entry_point(entry: Any, name: str) -> Any:
+    """``entry`` as a function with a code object of its own (no source is generated).
+
+    Dynamo keeps compiled entries and its recompile limit per code object, and automatic-dynamic
+    state per (file, line, name): each preparation gets its own, so preparations neither share
+    a cache nor count against each other's limit.
+    """
+    code = entry.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<{name}>")
+    return types.FunctionType(code, entry.__globals__, name, entry.__defaults__, entry.__closure__)
+
+
+_entry_points = 0
+
+
+class _FunctorchSafePooling(TorchFunctionMode):
+    """Runs ``max_pool2d``/``max_pool3d`` as ``max_pool*d_with_indices(...)[0]``.
+
+    torch-xla implements the pooling ops' autograd on XLA tensors as C++ ``autograd::Function``s,
+    which ``torch.func`` transforms refuse ("cannot use C++ torch::autograd::Function with
+    functorch transforms"); the ``_with_indices`` ops compute the same values with PyTorch's
+    own derivative formulas. This is what lets a ResNet be differentiated on ``AutoXLA``.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        op = _POOLING_OPS.get(func)
+        if op is not None and not kwargs.pop("return_indices", False) and len(args) < 7:
+            return _pool_with_indices(op, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _pool_with_indices(
+    op: Any, x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False
+) -> torch.Tensor:
+    return op(x, kernel_size, [] if stride is None else stride, padding, dilation, ceil_mode)[0]
+
+
+_POOLING_OPS = {
+    torch.max_pool2d: torch.ops.aten.max_pool2d_with_indices,
+    torch.nn.functional.max_pool2d: torch.ops.aten.max_pool2d_with_indices,
+    torch.max_pool3d: torch.ops.aten.max_pool3d_with_indices,
+    torch.nn.functional.max_pool3d: torch.ops.aten.max_pool3d_with_indices,
+}
+
+
+def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...]) -> Any:
+    """``entry(*leaves)``: the runner on the unflattened arguments, 0-d leaves viewed from (1,)."""
+
+    def entry(*leaves: Any) -> Any:
+        items = list(leaves)
+        for slot in scalar_slots:
+            items[slot] = items[slot].view(())
+        x, tangents, contexts = pytree.tree_unflatten(items, spec)
+        with _FunctorchSafePooling():
+            return runner(x, tangents, contexts)
+
+    global _entry_points
+    _entry_points += 1
+    return _fresh_entry_point(entry, f"torchdi_xla_runner_{_entry_points}")
+
+
+class _ModuleReplica:
+    """A device copy of a user's module, refreshed from it before each call.
+
+    Parameters and buffers are copied to the device once (the host tensors are never copied on
+    the host); afterwards only tensors whose version counter or identity changed are copied
+    again. The ``training`` flags follow the host module. The replica keeps a weak reference
+    to the host module only.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        memo: dict[int, Any] = {}
+        for tensor in self._host_tensors(module):
+            if id(tensor) in memo:
+                continue
+            moved = tensor.detach().to(device)
+            memo[id(tensor)] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else moved
+        self.module = copy.deepcopy(module, memo)
+        self.host = weakref.ref(module)
+        self.seen = self._state(module)
+
+    @staticmethod
+    def _host_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+        return [t for _, t in module.named_parameters(remove_duplicate=False)] + [
+            t for _, t in module.named_buffers(remove_duplicate=False) if t is not None
+        ]
+
+    def _state(self, module: torch.nn.Module) -> list[tuple[int, int]]:
+        return [(id(t), t._version) for t in self._host_tensors(module)]
+
+    def refresh(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The replica, with the host module's current values and training flags."""
+        host = self._host_tensors(module)
+        state = [(id(t), t._version) for t in host]
+        if state != self.seen:
+            mine = self._host_tensors(self.module)
+            if len(mine) != len(host):
+                raise ValueError(
+                    "AutoXLA: a module passed as a Constant gained or lost parameters or buffers since "
+                    "preparation; prepare again"
+                )
+            for (seen, now), source, target in zip(zip(self.seen, state), host, mine):
+                if seen != now:
+                    if source.shape != target.shape or source.dtype != target.dtype:
+                        raise ValueError(
+                            f"AutoXLA: a parameter or buffer of a module Constant changed shape or dtype since "
+                            f"preparation ({tuple(target.shape)} {target.dtype} -> {tuple(source.shape)} {source.dtype}); "
+                            "prepare again"
+                        )
+                    target.data.copy_(source.detach())  # a host-to-device transfer, no host copy
+            self.seen = state
+        for theirs, mine_module in zip(module.modules(), self.module.modules()):
+            if mine_module.training != theirs.training:
+                mine_module.training = theirs.training
+        return self.module
+
+
+class XLARunner:
+    """A runner compiled for an XLA device; ``warm_up`` (preparation) compiles.
+
+    Attributes:
+        num_compilations: graphs the ``openxla`` backend compiled for this runner (on the lazy
+            fallback: torch-xla's ``UncachedCompile`` events during its calls).
+        path: ``"traced (openxla)"``, or ``"lazy fallback: <why>"``.
+        buffers: the device buffers it owns (``reuse_buffers=True``), one per leaf of
+            ``(x, tangents, contexts)``; ``None`` for leaves it does not copy (static, or already
+            on the device).
+        zero_copy: whether host tensors reach the program through DLPack without a copy
+            (torch-xla's CPU client, host results; unaligned or strided tensors are copied into
+            ``buffers``).
+        random: whether the compiled program draws random numbers.
+    """
+
+    def __init__(self, runner: Any, backend: AutoXLA, family: str = "runner", function_name: str = "f") -> None:
         import torch_xla
 
         self.runner = runner
         self.device = torch_xla.device() if backend.device is None else torch.device(backend.device)
         self.reuse_buffers = backend.reuse_buffers
+        self.name = f"{family} of {function_name}"
         self.num_compilations = 0
+        self.prepared = False
+        self.random = False
+        self.fallback: str | None = None
         self.buffers: list[torch.Tensor | None] | None = None
+        self.replicas: dict[int, _ModuleReplica] = {}
+        self.scalar_slots: tuple[int, ...] = ()
+        self._compiled: Any = None
+        self._spec: pytree.TreeSpec | None = None
+        self.translate = True
+        self.n_x_leaves = 1
+        self.zero_copy = False
+        self._from_dlpack: Any = None
+
+    @property
+    def path(self) -> str:
+        return "traced (openxla)" if self.fallback is None else f"lazy fallback: {self.fallback}"
 
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-        """Allocate the device buffers (with ``reuse_buffers``) and compile for these signatures."""
+        """Allocate device buffers and module replicas, then compile for these signatures."""
+        _refuse_autocast(self.name)
+        # Contexts without floats or numpy values need no translation (a few us per call).
+        self.translate = any(
+            not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf for leaf in pytree.tree_leaves(contexts)
+        )
+        leaves, spec = pytree.tree_flatten((x, tangents, translate_contexts(contexts, None, x)))
+        self._spec = spec
+        self.n_x_leaves = len(pytree.tree_leaves(x))
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.nn.Module):
+                self.replicas[i] = _ModuleReplica(leaf, self.device)
+        host_tensor = [isinstance(leaf, torch.Tensor) and not _is_xla(leaf) for leaf in leaves]
+        self.scalar_slots = tuple(i for i, leaf in enumerate(leaves) if host_tensor[i] and leaf.dim() == 0)
         if self.reuse_buffers:
-            leaves = pytree.tree_leaves((x, tangents, translate_contexts(contexts, None, x)))
             self.buffers = [
-                torch.empty((1,) if leaf.dim() == 0 else leaf.shape, dtype=leaf.dtype, device=self.device)
-                if isinstance(leaf, torch.Tensor) and not _is_xla(leaf)
-                else None
-                for leaf in leaves
+                torch.empty((1,) if leaf.dim() == 0 else leaf.shape, dtype=leaf.dtype, device=self.device) if moved else None
+                for leaf, moved in zip(leaves, host_tensor)
             ]
-        self(x, tangents, contexts)
+        # On torch-xla's CPU client a host tensor can be handed to the program without a copy
+        # (DLPack: the device buffer aliases host memory, which must be 64-byte aligned). Only
+        # when results come back to the host: the call then waits for the program, so the
+        # user's memory is never read after the call returns.
+        if not all(_is_xla(leaf) for leaf in pytree.tree_leaves(x)):
+            import torch_xla.runtime as xr
+            import torch_xla.utils.dlpack as xla_dlpack
 
-    def _on_device(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, bool]:
-        """The runner's arguments on the device, and whether ``x`` already lived there."""
-        arguments = (x, tangents, translate_contexts(contexts, None, x))
-        leaves, spec = pytree.tree_flatten(arguments)
-        x_on_device = all(_is_xla(leaf) for leaf in pytree.tree_leaves(x))
-        pending = [leaf for leaf in leaves if _is_xla(leaf)]
-        if pending:  # the caller's own pending work must not join (and change) our graph
-            import torch_xla
+            self.zero_copy = xr.device_type() == "CPU" and self.device.type == "xla"
+            self._from_dlpack = xla_dlpack.from_dlpack
+        self._compiled = torch.compile(
+            _graph_entry(self.runner, spec, self.scalar_slots),
+            backend=_CountingOpenXLA(self),
+            fullgraph=True,
+            dynamic=False,  # a preparation fixes shapes
+        )
+        try:
+            self(x, tangents, contexts)
+        except Exception as error:  # dynamo cannot capture it, or the bridge cannot lower it
+            self._compiled = None
+            self.num_compilations = 0
+            self.random = False
+            reason = " ".join(str(error).strip().splitlines()[:2])[:300]
+            self.fallback = f"{type(error).__name__}: {reason}"
+            logger.warning(
+                "torchdi: AutoXLA cannot trace %s once through torch.compile(backend='openxla') (%s); "
+                "using torch-xla's lazy tensors instead (traced on every call, compiled programs cached)",
+                self.name,
+                self.fallback,
+            )
+            self(x, tangents, contexts)  # the lazy path; a genuine error in f surfaces here
+        self.prepared = True
 
-            torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
-        if self.buffers is not None:
-            moved = []
-            for leaf, buffer in zip(leaves, self.buffers):
-                if buffer is None:  # static, or already on the device
+    def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], bool]:
+        """The flat leaves on the device (0-d ones as shape (1,)), and whether ``x`` lived there."""
+        if self.translate:
+            contexts = translate_contexts(contexts, None, x)
+        leaves = pytree.tree_leaves((x, tangents, contexts))
+        x_on_device = all(_is_xla(leaf) for leaf in leaves[: self.n_x_leaves])  # x's leaves come first
+        buffers = self.buffers
+        scalar = self.scalar_slots
+        moved: list[Any] = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device.type == "xla":
                     moved.append(leaf)
-                elif leaf.dim() == 0:
-                    moved.append(copyto_(buffer, leaf.reshape(1)).view(()))
+                    continue
+                if i in scalar:
+                    leaf = leaf.reshape(1)
+                if self.zero_copy and leaf.device.type == "cpu" and leaf.data_ptr() % 64 == 0 and leaf.is_contiguous():
+                    moved.append(self._from_dlpack(leaf))
+                elif buffers is not None and buffers[i] is not None:
+                    moved.append(buffers[i].copy_(leaf))  # type: ignore[union-attr]
                 else:
-                    moved.append(copyto_(buffer, leaf))
-        else:
-            moved = [
-                (leaf.reshape(1).to(self.device).view(()) if leaf.dim() == 0 else leaf.to(self.device))
-                if isinstance(leaf, torch.Tensor) and not _is_xla(leaf)
-                else leaf
-                for leaf in leaves
-            ]
-        return pytree.tree_unflatten(moved, spec), x_on_device
+                    moved.append(leaf.to(self.device))
+            elif i in self.replicas:
+                moved.append(self.replicas[i].refresh(leaf))
+            else:
+                moved.append(leaf)
+        return moved, x_on_device
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
+        _refuse_autocast(self.name)
+        leaves, x_on_device = self._arguments(x, tangents, contexts)
+        if self._compiled is not None:
+            if self.random:  # the program's seed input, drawn from the host generator
+                import torch_xla.core.xla_model as xm
+
+                xm.set_rng_state(int(torch.randint(0, 2**62, (), dtype=torch.int64)), str(self.device))
+            result = self._compiled(*leaves)
+        else:
+            result = self._lazy(leaves)
+        if x_on_device:
+            return result
+        return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, result)
+
+    def _lazy(self, leaves: list[Any]) -> Any:
+        """The fallback: trace with lazy tensors, materialize only this call's outputs."""
         import torch_xla
 
+        pending = [leaf for leaf in leaves if _is_xla(leaf)]
+        # The caller's own pending work must not join (and change) our graph.
+        torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
         before = _uncached_compiles()
-        (x_dev, tangents_dev, contexts_dev), x_on_device = self._on_device(x, tangents, contexts)
-        result = self.runner(x_dev, tangents_dev, contexts_dev)
+        items = [leaf.view(()) if i in self.scalar_slots else leaf for i, leaf in enumerate(leaves)]
+        assert self._spec is not None  # set by warm_up
+        x, tangents, contexts = pytree.tree_unflatten(items, self._spec)
+        with _FunctorchSafePooling():
+            result = self.runner(x, tangents, contexts)
         outputs = [leaf for leaf in pytree.tree_leaves(result) if _is_xla(leaf)]
         torch_xla._XLAC._xla_sync_multi(outputs, devices=[], wait=True)  # this call's outputs only
         self.num_compilations += _uncached_compiles() - before
-        return result if x_on_device else copyfrom(result)
+        return result
 
 
 class XLAEngine:
-    """Builds the inner backend's runner and runs it on the XLA device."""
+    """Builds the inner backend's runner and compiles it for the XLA device."""
 
     native: ClassVar[frozenset[str]] = ALL_FAMILIES
     keeps_static: ClassVar[bool] = True
@@ -158,6 +461,40 @@ class XLAEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
+        from torchdi.backends import AutoFunc
         from torchdi.runners import build_runner
 
-        return XLARunner(build_runner(self.backend.inner, family, f, spec), self.backend)
+        inner_backend = self.backend.inner
+        if family == "hessian" and type(inner_backend) is AutoFunc and inner_backend.chunk_size is None:
+            inner = _hessian_from_hvps(f, spec)
+        else:
+            inner = build_runner(inner_backend, family, f, spec)
+        return XLARunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+
+
+def _hessian_from_hvps(f: Any, spec: Any) -> Any:
+    """``AutoFunc``'s forward-over-reverse hessian as ``vmap`` of ``jvp(grad_and_value)`` over a basis.
+
+    The same computation as ``jacfwd(grad)``, in the form dynamo captures in one graph (2.9
+    refuses to inline ``jacfwd``'s wrapper with ``has_aux``, which would force the lazy fallback).
+    """
+    from torch.func import grad_and_value, jvp, vmap
+
+    y_shape = spec.y.shapes[0]
+
+    def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        def gradient_and_value(x_: torch.Tensor) -> tuple[Any, Any]:
+            return grad_and_value(lambda z: f(z, contexts).reshape(()))(x_)
+
+        def along(t: torch.Tensor) -> tuple[Any, Any, Any]:
+            (g, y), tangent_out = cast(tuple[Any, Any], jvp(gradient_and_value, (x,), (t,)))
+            return tangent_out[0], g, y
+
+        n = x.numel()
+        basis = torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, *x.shape)
+        out_dims: Any = (0, None, None)  # g and y do not depend on the tangent
+        columns, g, y = vmap(along, out_dims=out_dims)(basis)  # columns[j] = H e_j
+        hess = columns.reshape(n, n).transpose(0, 1).reshape(*x.shape, *x.shape)  # jacfwd's layout
+        return y.reshape(y_shape), g, hess
+
+    return run

@@ -42,9 +42,13 @@ def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts:
 
     Example::
 
-        >>> prep = torchdi.prepare_gradient(f, backend, x, torchdi.Constant(batch))
-        >>> for batch in loader:
-        ...     g = torchdi.gradient(f, backend, x, torchdi.Constant(batch), prep=prep)
+        >>> f = lambda x, batch: ((batch @ x) ** 2).mean()
+        >>> backend, x = torchdi.AutoFunc(), torch.ones(3)
+        >>> prep = torchdi.prepare_gradient(f, backend, x, torchdi.Constant(torch.zeros(4, 3)))
+        >>> for batch in (torch.ones(4, 3), 2 * torch.ones(4, 3)):  # new values, same shapes
+        ...     print(torchdi.gradient(f, backend, x, torchdi.Constant(batch), prep=prep))
+        tensor([6., 6., 6.])
+        tensor([24., 24., 24.])
     """
     return prepare_operator("gradient", "prepare_gradient", f, backend, x, None, contexts, strict)
 

@@ -1,0 +1,405 @@
+"""AutoSparse: detectors, colouring, decompression, out=, compilation counts (issue 11)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torchdi
+from torchdi.sparsity.coloring import (
+    GreedyColoring,
+    adjacency,
+    column_coloring,
+    star_coloring,
+    star_recovery,
+)
+from torchdi.sparsity.index_sets import IndexSets
+from torchdi.sparsity.tracer import trace_sparsity
+from torchdi.testing.sparse_scenarios import (
+    brusselator,
+    chained_rosenbrock,
+    diff_square,
+    sparse_scenarios,
+    true_pattern,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+ORDERS = ["natural", "largest_first", "smallest_last", "random"]
+
+
+def dense_jacobian(f, x):
+    return torch.autograd.functional.jacobian(f, x).reshape(-1, x.numel())
+
+
+def traced(f, x, hessian=False):
+    return trace_sparsity(lambda z, _: f(z), x, (), hessian=hessian)
+
+
+# ----------------------------------------------------------------------------------------------
+# Detectors
+
+
+@pytest.mark.parametrize(
+    "name, shape, hessian",
+    [
+        ("brusselator", (6, 6, 2), False),
+        ("diff_square", (9,), False),
+        ("diff_cube", (9,), False),
+        ("chained_rosenbrock", (9,), True),
+        ("broyden_tridiagonal", (9,), True),
+    ],
+)
+def test_tracer_finds_the_true_pattern(name, shape, hessian):
+    import torchdi.testing.sparse_scenarios as scenarios
+
+    result = traced(getattr(scenarios, name), torch.rand(shape, dtype=torch.float64) + 0.5, hessian=hessian)
+    pattern = result.pattern
+    if hessian:
+        pattern = IndexSets.union([pattern, pattern.transpose()])
+    assert np.array_equal(pattern.to_dense(), true_pattern(name, shape))
+    assert result.fallbacks == ()
+
+
+RULE_CASES = {
+    # name: (f, x); each pattern is checked to be exact against the dense jacobian at x
+    "cat-stack-flip": (lambda x: torch.cat([x[:3].flip(0), torch.stack([x[3], x[5]])]) * 2, torch.rand(6) + 1),
+    "fixed-index-gather": (lambda x: x[torch.tensor([4, 0, 2])] + x.gather(0, torch.tensor([1, 1, 3])), torch.rand(5) + 1),
+    "where-fixed-mask": (lambda x: torch.where(torch.arange(4) % 2 == 0, x, x.roll(1)), torch.rand(4) + 1),
+    "mask-multiply": (lambda x: x * torch.tensor([1.0, 0.0, 2.0, 0.0]), torch.rand(4) + 1),
+    "softmax-rows": (lambda x: torch.softmax(x.reshape(2, 3), dim=1), torch.rand(6)),
+    "sum-keepdim": (lambda x: x.reshape(2, 3).sum(0, keepdim=True) * x.reshape(2, 3), torch.rand(6) + 1),
+    "matmul-fixed-band": (lambda x: torch.diag(torch.ones(5)) @ x.reshape(5, 2) + x.reshape(5, 2), torch.rand(10) + 1),
+    "matmul-both-varying": (lambda x: x.reshape(2, 3) @ x.reshape(3, 2), torch.rand(6) + 1),
+    "conv1d-strided": (
+        lambda x: torch.nn.functional.conv1d(x.reshape(1, 1, 8), torch.tensor([[[1.0, 0.0, 1.0]]]), stride=2, padding=1),
+        torch.rand(8) + 1,
+    ),
+    "pad-reflect": (lambda x: torch.nn.functional.pad(x.reshape(1, 1, 5), (2, 2), mode="reflect").reshape(-1), torch.rand(5) + 1),
+    "cache-write": (lambda x: torch.zeros(4).index_put((torch.tensor([1, 3]),), x[:2] ** 2), torch.rand(4) + 1),
+    "scatter-slices": (lambda x: torch.zeros(6).slice_scatter(x[::2], 0, 0, 3), torch.rand(6) + 1),
+    "where-scalar": (lambda x: torch.where(torch.arange(4) % 2 == 0, x, 2.5), torch.rand(4) + 1),
+    "masked-fill": (lambda x: x.masked_fill(torch.tensor([True, False, True, False]), 3.0), torch.rand(4) + 1),
+    "scatter-value": (lambda x: x.scatter(0, torch.tensor([1, 2]), 7.0), torch.rand(4) + 1),
+    "pad-value": (lambda x: torch.nn.functional.pad(x, (1, 2), value=4.0), torch.rand(4) + 1),
+    "layer-norm": (lambda x: torch.nn.functional.layer_norm(x[:4].reshape(2, 2), (2,), weight=x[4:]).reshape(-1), torch.rand(6)),
+    "index-add": (lambda x: x[:3].index_add(0, torch.tensor([2, 0, 1]), x[3:]), torch.rand(6) + 1),
+    "scatter-add-2d": (
+        lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
+        torch.rand(6) + 1,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RULE_CASES))
+def test_tracer_rules_are_exact(case):
+    f, x = RULE_CASES[case]
+    result = traced(f, x)
+    truth = (dense_jacobian(f, x) != 0).numpy()
+    assert np.array_equal(result.pattern.to_dense(), truth), case
+    assert result.fallbacks == ()
+
+
+def test_tracer_is_conservative_where_values_decide():
+    # The condition depends on x: both branches count, whatever x is.
+    result = traced(lambda x: torch.where(x > 0, x, x.roll(1)), torch.ones(4))
+    assert result.pattern.to_dense().sum() == 8
+    # An index computed from x: every element may land anywhere.
+    result = traced(lambda x: x.index_select(0, x.argmax().reshape(1)) * torch.ones(3), torch.arange(3.0))
+    assert result.pattern.to_dense().all()
+
+
+def test_tracer_refuses_data_dependent_control_flow_clearly():
+    def f(x):
+        return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(RuntimeError, match=r"(?s)TracerSparsity: cannot trace f.*DenseSparsity"):
+        torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(3))
+    prep = torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.DenseSparsity()), torch.ones(3))
+    assert prep.ncolors == 1
+
+
+def test_tracer_lists_ops_without_rules():
+    result = traced(lambda x: torch.linalg.inv(x.reshape(2, 2)).reshape(-1) + x, torch.eye(2).reshape(-1) + 1)
+    assert result.pattern.to_dense().all()
+    assert any("inv" in op or "linalg" in op for op in result.fallbacks), result.fallbacks
+
+
+def test_tracer_reads_contexts_as_varying_and_leaves_caches_alone():
+    cache = torch.full((4,), 7.0)
+    c = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+    def f(x, c, cache):
+        cache.copy_(x * 2)
+        return cache * c
+
+    prep = torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(4), torchdi.Constant(c), torchdi.Cache(cache))
+    # A Constant's zeros may change between calls: not structural.
+    assert prep.sparsity_pattern.to_dense().sum() == 4
+    assert prep.sparsity_fallbacks == ()
+    assert torch.equal(c, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+
+
+def test_dense_sparsity_is_local():
+    c = torch.tensor([1.0, 0.0, 1.0])
+    backend = torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.DenseSparsity())
+    prep = torchdi.prepare_jacobian(lambda x, c: x * c, backend, torch.ones(3), torchdi.Constant(c))
+    assert prep.sparsity_pattern.to_dense().tolist() == [[True, False, False], [False, False, False], [False, False, True]]
+    atol = torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.DenseSparsity(atol=1.5))
+    prep = torchdi.prepare_jacobian(lambda x: x * torch.tensor([1.0, 2.0, 3.0]), atol, torch.ones(3))
+    assert prep.sparsity_pattern.to_dense().diagonal().tolist() == [False, True, True]
+
+
+def test_known_sparsity_accepts_dense_and_sparse_patterns():
+    x = torch.rand(6) + 1
+    truth = true_pattern("diff_square", (6,))
+    expected = dense_jacobian(diff_square, x)
+    for pattern in (torch.from_numpy(truth), torch.from_numpy(truth).to_sparse_csr(), torch.from_numpy(truth).float().to_sparse()):
+        backend = torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.KnownSparsity(pattern))
+        jac = torchdi.jacobian(diff_square, backend, x)
+        assert torch.allclose(jac.to_dense(), expected)
+    assert torchdi.KnownSparsity(torch.from_numpy(truth)) == torchdi.KnownSparsity(torch.from_numpy(truth).clone())
+    with pytest.raises(ValueError, match=r"pattern has shape \(5, 5\).*expected shape \(5, 6\)"):
+        torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(sparsity=torchdi.KnownSparsity(torch.ones(5, 5))), x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Colouring
+
+
+def random_pattern(rows: int, cols: int, density: float, seed: int) -> IndexSets:
+    rng = np.random.default_rng(seed)
+    return IndexSets.from_dense(rng.random((rows, cols)) < density)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_column_colouring_groups_are_structurally_orthogonal(order, seed):
+    pattern = random_pattern(30, 40, 0.1, seed)
+    colors = column_coloring(pattern, GreedyColoring(order, seed=seed))
+    dense = pattern.to_dense()
+    for c in range(colors.max() + 1):
+        assert (dense[:, colors == c].sum(axis=1) <= 1).all()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_star_colouring_is_a_star_colouring(order, seed):
+    upper = np.triu(np.random.default_rng(seed).random((30, 30)) < 0.1)
+    symmetric = IndexSets.from_dense(upper | upper.T | np.eye(30, dtype=bool))
+    colors = star_coloring(symmetric, GreedyColoring(order, seed=seed))
+    graph = adjacency(symmetric)
+    rows, cols = graph.row_ids(), graph.indices
+    assert (colors[rows] != colors[cols]).all()  # proper
+    assert star_recovery(symmetric, colors) is not None  # every entry directly recoverable
+
+
+def test_colour_counts_on_known_structures():
+    n = 1000
+    i = np.arange(n)
+    tridiagonal = IndexSets.from_dense(np.abs(i[:, None] - i[None, :]) <= 1)
+    assert column_coloring(tridiagonal, GreedyColoring()).max() + 1 == 3
+    assert star_coloring(tridiagonal, GreedyColoring()).max() + 1 == 3
+    arrow = np.eye(50, dtype=bool)
+    arrow[0, :] = arrow[:, 0] = True
+    assert star_coloring(IndexSets.from_dense(arrow), GreedyColoring()).max() + 1 == 2  # distance-2 would need 50
+
+
+def test_coloring_options_are_checked():
+    with pytest.raises(ValueError, match="order must be one of"):
+        torchdi.GreedyColoring(order="alphabetical")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dense must be a dense torchdi backend"):
+        torchdi.AutoSparse(torchdi.AutoSparse())
+    with pytest.raises(TypeError, match="sparsity must be"):
+        torchdi.AutoSparse(torchdi.AutoFunc(), sparsity="tracer")
+
+
+# ----------------------------------------------------------------------------------------------
+# Decompression against dense results
+
+
+# AutoFunc runs the same scenarios in test_sparse_scenarios_pass_test_differentiation.
+@pytest.mark.parametrize("dense", [torchdi.AutoAutograd(), torchdi.AutoFiniteDiff()], ids=["autograd", "finitediff"])
+@pytest.mark.parametrize("scenario", sparse_scenarios(sizes=(8,)), ids=lambda s: s.name)
+def test_sparse_results_equal_dense(dense, scenario):
+    backend = torchdi.AutoSparse(dense)
+    x2, _, contexts2 = scenario.second_point()
+    if scenario.op == "jacobian":
+        prep = torchdi.prepare_jacobian(scenario.f, backend, x2, *contexts2)
+        y, jac = torchdi.value_and_jacobian(scenario.f, backend, scenario.x, prep=prep)
+        assert torch.allclose(y, scenario.f(scenario.x))
+    else:
+        prep = torchdi.prepare_hessian(scenario.f, backend, x2, *contexts2)
+        y, grad, jac = torchdi.value_gradient_and_hessian(scenario.f, backend, scenario.x, prep=prep)
+        assert torch.allclose(grad, torchdi.gradient(scenario.f, torchdi.AutoAutograd(), scenario.x))
+    assert jac.layout == torch.sparse_csr
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if isinstance(dense, torchdi.AutoFiniteDiff) else {}
+    assert torch.allclose(jac.to_dense(), scenario.reference().reshape(jac.shape), **tolerance)
+    assert prep.num_compilations == 0
+
+
+def test_reverse_mode_when_rows_need_fewer_colours():
+    f = lambda x: x.reshape(10, 10).sum(1)  # noqa: E731 - 10 rows, each touching 10 columns
+    prep = torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(100))
+    assert (prep.sparse_mode, prep.ncolors) == ("reverse", 1)
+    x = torch.rand(100)
+    assert torch.equal(torchdi.jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc()), x, prep=prep).to_dense(), dense_jacobian(f, x))
+
+
+def test_prep_exposes_pattern_colours_and_groups():
+    prep = torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc()), torch.rand(6))
+    assert prep.ncolors == 2 and prep.sparse_mode == "forward"
+    assert prep.sparsity_pattern.layout == torch.sparse_csr and prep.sparsity_pattern.dtype == torch.bool
+    assert prep.colors.tolist() == [0, 1, 0, 1, 0, 1]
+    assert [g.tolist() for g in prep.groups] == [[0, 2, 4], [1, 3, 5]]
+    with pytest.raises(AttributeError):
+        _ = prep.no_such_attribute
+
+
+def test_other_operators_pass_through_to_the_dense_backend():
+    backend = torchdi.AutoSparse(torchdi.AutoFunc())
+    x = torch.rand(5)
+    assert torch.allclose(torchdi.gradient(chained_rosenbrock, backend, x), torchdi.gradient(chained_rosenbrock, torchdi.AutoFunc(), x))
+    (dy,) = torchdi.pushforward(diff_square, backend, x, (torch.ones(5),))
+    assert torch.allclose(dy, dense_jacobian(diff_square, x).sum(1))
+
+
+def test_function_independent_of_x_gives_an_empty_jacobian():
+    jac = torchdi.jacobian(lambda x: torch.ones(3), torchdi.AutoSparse(torchdi.AutoFunc()), torch.rand(4))
+    assert jac.shape == (3, 4) and jac.values().numel() == 0
+
+
+def test_out_is_filled_in_place():
+    backend = torchdi.AutoSparse(torchdi.AutoFunc())
+    x = torch.rand(8, 8, 2, dtype=torch.float64)
+    prep = torchdi.prepare_jacobian(brusselator, backend, x)
+    out = torchdi.jacobian(brusselator, backend, x, prep=prep)
+    values = out.values()
+    x2 = x + 0.3
+    returned = torchdi.jacobian(brusselator, backend, x2, prep=prep, out=out)
+    assert returned is out
+    assert out.values().data_ptr() == values.data_ptr()
+    assert torch.allclose(out.to_dense(), dense_jacobian(brusselator, x2))
+    _, jac = torchdi.value_and_jacobian(brusselator, backend, x, prep=prep, out=out)
+    assert jac is out and torch.allclose(out.to_dense(), dense_jacobian(brusselator, x))
+    wrong = torch.eye(128, dtype=torch.float64).to_sparse_csr()
+    with pytest.raises(ValueError, match=r"same\s+sparsity pattern"):
+        torchdi.jacobian(brusselator, backend, x, prep=prep, out=wrong)
+
+
+def test_strict_check_still_applies():
+    backend = torchdi.AutoSparse(torchdi.AutoFunc())
+    prep = torchdi.prepare_jacobian(diff_square, backend, torch.rand(6))
+    with pytest.raises(torchdi.PreparationMismatchError, match="x: mismatch"):
+        torchdi.jacobian(diff_square, backend, torch.rand(7), prep=prep)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled dense backend: one program, never recompiled
+
+
+def test_compiled_dense_backend_compiles_once():
+    backend = torchdi.AutoSparse(torchdi.AutoCompile(compiler="aot_eager"))
+    x = torch.rand(30, dtype=torch.float64)
+    prep = torchdi.prepare_jacobian(diff_square, backend, x)
+    assert (prep.num_compilations, prep.ncolors) == (1, 2)
+    for shift in (0.1, 0.2, 0.3):
+        jac = torchdi.jacobian(diff_square, backend, x + shift, prep=prep)
+        assert torch.allclose(jac.to_dense(), dense_jacobian(diff_square, x + shift))
+    assert prep.num_compilations == 1
+    hprep = torchdi.prepare_hessian(chained_rosenbrock, backend, torch.rand(20, dtype=torch.float64))
+    compiled = hprep.num_compilations  # the compressed HVPs and the value-and-gradient
+    for _ in range(2):
+        z = torch.rand(20, dtype=torch.float64)
+        hess = torchdi.hessian(chained_rosenbrock, backend, z, prep=hprep)
+        assert torch.allclose(hess.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, z))
+    assert hprep.num_compilations == compiled == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Goals of issue 11 (counts, not speed)
+
+
+def test_brusselator_32_pattern_and_colours():
+    x = 1 + 0.1 * torch.rand(32, 32, 2)
+    prep = torchdi.prepare_jacobian(brusselator, torchdi.AutoSparse(torchdi.AutoFunc()), x)
+    assert np.array_equal(prep.sparsity_pattern.to_dense().numpy(), true_pattern("brusselator", (32, 32, 2)))
+    assert prep.ncolors <= 8
+
+
+def test_rosenbrock_1e5_hessian_in_three_colours():
+    n = 100_000
+    x = 1 + 0.1 * torch.rand(n, dtype=torch.float64)
+    prep = torchdi.prepare_hessian(chained_rosenbrock, torchdi.AutoSparse(torchdi.AutoFunc()), x)
+    assert prep.ncolors == 3
+    hess = torchdi.hessian(chained_rosenbrock, torchdi.AutoSparse(torchdi.AutoFunc()), x, prep=prep)
+    crow, col, values = hess.crow_indices(), hess.col_indices(), hess.values()
+    rows = torch.repeat_interleave(torch.arange(n), crow.diff())
+    diagonal = torch.full((n,), 0.0, dtype=torch.float64)
+    diagonal[:-1] += 1200 * x[:-1] ** 2 - 400 * x[1:] + 2
+    diagonal[1:] += 200
+    on_diagonal = rows == col
+    assert torch.allclose(values[on_diagonal], diagonal)
+    upper = col == rows + 1
+    assert torch.allclose(values[upper], -400 * x[:-1])
+    assert values.numel() == 3 * n - 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Property: the detected pattern covers the jacobian's non-zeros, and sparse equals dense
+
+
+@st.composite
+def structured_functions(draw):
+    n = draw(st.integers(3, 12))
+    m = draw(st.integers(1, 12))
+    a = np.array(draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m)))
+    b = np.array(draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m)))
+    shift = draw(st.integers(-2, 2))
+    kind = draw(st.sampled_from(["product", "sin", "roll", "cumsum"]))
+    ia, ib = torch.from_numpy(a), torch.from_numpy(b)
+
+    def f(x):
+        if kind == "product":
+            return x[ia] * x[ib] + x[ia] ** 2
+        if kind == "sin":
+            return torch.sin(x[ia] - x.roll(shift)[ib])
+        if kind == "roll":
+            return torch.cat([x.roll(shift) * x, x[ia]])
+        return torch.cumsum(x, 0)[ib] * x[ia]
+
+    return f, n
+
+
+@given(structured_functions(), st.integers(0, 2**16))
+def test_pattern_covers_dense_nonzeros(case, seed):
+    f, n = case
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator, dtype=torch.float64)
+    backend = torchdi.AutoSparse(torchdi.AutoFunc())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prep = torchdi.prepare_jacobian(f, backend, torch.randn(n, generator=generator, dtype=torch.float64))
+        jac = torchdi.jacobian(f, backend, x, prep=prep)
+    dense = dense_jacobian(f, x)
+    pattern = prep.sparsity_pattern.to_dense()
+    assert not ((dense != 0) & ~pattern).any()
+    assert torch.allclose(jac.to_dense(), dense)
+
+
+def test_sparse_benchmark_is_a_bench_suite():
+    import torchdi.__main__ as cli
+
+    assert cli.build_parser().parse_args(["bench", "--suite", "sparse"]).suite == "sparse"
+    assert callable(cli._benchmark_main("sparse"))
+
+
+def test_sparse_scenarios_pass_test_differentiation():
+    # Prepared at one point, run at another, inputs intact, no recompilation, no reference kept.
+    from torchdi.testing import test_differentiation
+
+    test_differentiation([torchdi.AutoSparse(torchdi.AutoFunc())], sparse_scenarios(sizes=(8,)), rtol=1e-6, atol=1e-8)

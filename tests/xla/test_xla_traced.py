@@ -1,0 +1,180 @@
+"""AutoXLA traced once through torch.compile(backend="openxla"): randomness, module Constants,
+guards, autocast and a real model, on torch-xla's PJRT CPU client."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is not installed here: `make test-xla` runs these in .venv-xla")
+import torch_xla.debug.metrics as metrics  # noqa: E402
+
+import torchdi as td  # noqa: E402
+
+XLA = td.AutoXLA()
+REFERENCE = td.AutoAutograd()
+TRACED = "traced (openxla)"
+
+
+def uncached():
+    return int(metrics.counter_value("UncachedCompile") or 0)
+
+
+def point(seed, shape=(6,)):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def noisy_loss(x, scale):
+    return (nn.functional.dropout(torch.tanh(x), p=0.5, training=True) * scale).sum() + (x * torch.rand_like(x)).sum()
+
+
+def test_randomness_is_a_traced_input_fresh_each_call_and_reproducible():
+    prep = td.prepare_gradient(noisy_loss, XLA, point(0), td.Constant(2.0))
+    assert prep.runner.path == TRACED and prep.runner.random
+    compiled, compiles = prep.num_compilations, uncached()
+    seen = set()
+    for i in range(50):
+        _, g = td.value_and_gradient(noisy_loss, XLA, point(i), td.Constant(1.0 + i), prep=prep)
+        seen.add(tuple(g.tolist()))
+    assert prep.num_compilations == compiled and uncached() == compiles  # zero recompiles over 50 calls
+    assert len(seen) == 50  # fresh randomness each call
+    torch.manual_seed(7)
+    first = td.value_and_gradient(noisy_loss, XLA, point(1), td.Constant(2.0), prep=prep)
+    torch.manual_seed(7)
+    again = td.value_and_gradient(noisy_loss, XLA, point(1), td.Constant(2.0), prep=prep)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def model_loss(x, model):
+    return model(x).pow(2).sum()
+
+
+def test_module_constant_follows_an_optimizer_each_step_like_eager():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = point(3, (4, 6))
+    prep = td.prepare_gradient(model_loss, XLA, data, td.Constant(model))
+    assert prep.runner.path == TRACED
+    td.gradient(model_loss, XLA, data, td.Constant(model), prep=prep)  # compiles gradient's own variant
+    assert prep.lean_runner.path == TRACED
+    compiled = prep.num_compilations
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    for step in range(6):
+        x = point(10 + step, (4, 6))
+        got = td.gradient(model_loss, XLA, x, td.Constant(model), prep=prep)
+        torch.testing.assert_close(got, td.gradient(model_loss, REFERENCE, x, td.Constant(model)), atol=1e-5, rtol=1e-4)
+        optimizer.zero_grad()
+        model_loss(x, model).backward()  # the host module changes in place
+        optimizer.step()
+    assert prep.num_compilations == compiled
+    assert any(not torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the user's module stays where it was
+
+
+def test_module_constant_training_flag_is_followed():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)).eval()
+    prep = td.prepare_gradient(model_loss, XLA, point(0, (2, 6)), td.Constant(model))
+    want = td.gradient(model_loss, REFERENCE, point(1, (2, 6)), td.Constant(model))
+    torch.testing.assert_close(td.gradient(model_loss, XLA, point(1, (2, 6)), td.Constant(model), prep=prep), want)
+    compiled = prep.num_compilations  # value_and_gradient's program and gradient's own
+    model.train()  # dropout now active: guarded by dynamo, so a (counted) recompilation, never stale
+    got = td.gradient(model_loss, XLA, point(1, (2, 6)), td.Constant(model), prep=prep)
+    assert not torch.allclose(got, want)
+    assert prep.num_compilations == compiled + 1
+
+
+SCALE = 2.0
+
+
+def global_loss(x):
+    return (x * SCALE).pow(2).sum()
+
+
+def test_no_stale_result_when_a_global_changes(caplog):
+    global SCALE
+    SCALE = 2.0
+    prep = td.prepare_gradient(global_loss, XLA, point(0))
+    torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 8 * point(1))
+    compiled = prep.num_compilations
+    SCALE = 3.0
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchdi"):
+            torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 18 * point(1))
+    finally:
+        SCALE = 2.0
+    assert prep.num_compilations == compiled + 1
+    assert "recompiled" in caplog.text
+
+
+def test_autocast_is_refused_clearly():
+    prep = td.prepare_gradient(global_loss, XLA, point(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
+        td.gradient(global_loss, XLA, point(1), prep=prep)
+
+
+def test_unsupported_closure_falls_back_to_lazy_tensors_and_says_so(caplog):
+    def with_item(x):  # .item() inside f: dynamo cannot capture it in one graph
+        return (x * float(x.sum().item())).sum()
+
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_gradient(with_item, XLA, point(0))
+    assert prep.runner.path.startswith("lazy fallback")
+    assert "lazy fallback" in repr(prep) and "lazy tensors" in caplog.text
+    torch.testing.assert_close(td.gradient(with_item, XLA, point(1), prep=prep), td.gradient(with_item, REFERENCE, point(1)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed in this environment")
+@pytest.mark.skipif(
+    os.environ.get("TORCHDI_XLA_RESNET") != "1",
+    reason="compiling resnet18 for XLA takes minutes on 2 cores: set TORCHDI_XLA_RESNET=1 (and install torchvision==0.24.0)",
+)
+def test_resnet18_forward_and_backward():
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p, model, images):
+        return torch.func.functional_call(model, p, (images,)).logsumexp(dim=1).mean()
+
+    images = torch.randn(2, 3, 32, 32)
+    backend = td.AutoXLA()  # inner=AutoFunc(): torch.func.grad_and_value, traced once
+    value, grads = td.value_and_gradient(loss, backend, params, td.Constant(model), td.Constant(images))
+    want_value, want = td.value_and_gradient(loss, REFERENCE, params, td.Constant(model), td.Constant(images))
+    torch.testing.assert_close(value, want_value, atol=1e-4, rtol=1e-4)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], atol=1e-4, rtol=1e-3)
+
+
+class Loss:
+    def __call__(self, x, c):
+        return (x * c).pow(2).sum()
+
+
+def test_a_dropped_prep_frees_its_runner_and_keeps_f_unreferenced():
+    import gc
+    import weakref
+
+    f = Loss()
+    prep = td.prepare_gradient(f, XLA, point(0), td.Constant(0.5))
+    torch.testing.assert_close(td.gradient(f, XLA, point(1), td.Constant(0.5), prep=prep), 0.5 * point(1))
+    refs = weakref.ref(f), weakref.ref(prep.runner), weakref.ref(prep.lean_runner)
+    del prep, f
+    gc.collect()
+    assert all(ref() is None for ref in refs)

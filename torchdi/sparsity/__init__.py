@@ -1,0 +1,14 @@
+"""Sparsity detection and colouring for ``AutoSparse``.
+
+Detectors (one rule set per module): ``TracerSparsity`` (``tracer.py``: global, from ``f``'s
+aten graph), ``DenseSparsity`` (``dense.py``: local, from a dense matrix at the preparation
+point), ``KnownSparsity`` (``known.py``: given). Colouring: ``GreedyColoring`` (``coloring.py``).
+Index sets (``index_sets.py``) are the boolean CSR matrices they all exchange.
+"""
+
+from torchdi.sparsity.coloring import GreedyColoring
+from torchdi.sparsity.dense import DenseSparsity
+from torchdi.sparsity.known import KnownSparsity
+from torchdi.sparsity.tracer import TracerSparsity
+
+__all__ = ["DenseSparsity", "GreedyColoring", "KnownSparsity", "TracerSparsity"]
