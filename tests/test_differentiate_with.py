@@ -320,7 +320,7 @@ def test_errors(x):
     with pytest.raises(TypeError, match="backend must be a torchdi backend"):
         td.DifferentiateWith(torch.sin, "autograd")
     g = td.DifferentiateWith(f, td.AutoFunc())
-    with pytest.raises(TypeError, match=r"argument 2 \(context 0\) must be wrapped"):
+    with pytest.raises(TypeError, match=r"context 1 \(argument 2\) must be wrapped"):  # counted from 1 (issue 10 item 13)
         g(x, 2.0)
     with pytest.raises(TypeError, match="x must be a real floating-point tensor"):
         g(torch.ones(3, dtype=torch.int64), td.Constant(1.0))

@@ -190,7 +190,7 @@ def test_unwrapped_context_is_a_type_error(backend, bad):
 def test_unwrapped_context_error_names_position_with_prep():
     x = torch.ones(2)
     prep = torchdi.prepare_gradient(scalar_valued, AutoFunc(), x, Constant(1.0))
-    with pytest.raises(TypeError, match=r"context 0"):
+    with pytest.raises(TypeError, match=r"context 1 \(argument 4\)"):  # counted from 1, as in mismatch messages
         torchdi.gradient(scalar_valued, AutoFunc(), x, 1.0, prep=prep)
 
 

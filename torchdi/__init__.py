@@ -50,7 +50,7 @@ from torchdi.operators import (
 )
 from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
-from torchdi.translate import copyfrom, copyto_, to_device_tensor
+from torchdi.translate import Static, copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
 
@@ -72,6 +72,7 @@ __all__ = [
     "PreparationMismatchError",
     "SecondOrder",
     "State",
+    "Static",
     "TracerSparsity",
     "UnsupportedOperatorError",
     "check_available",

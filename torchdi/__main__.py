@@ -34,6 +34,16 @@ BACKENDS: dict[str, Callable[[], Any]] = {
 }
 COMPILED = {"compile", "compile-aot", "xla"}
 FINITE = {"finitediff"}
+#: Compositions ``check --backends`` also accepts (not run by default): pairs that torch.compile
+#: cannot differentiate show as unsupported (UnsupportedOperatorError at preparation).
+COMBINATIONS: dict[str, Callable[[], Any]] = {
+    "compile-autograd": lambda: torchdi.AutoCompile(inner=torchdi.AutoAutograd(), fullgraph=False, compiler="aot_eager"),
+    "so-autograd-compile": lambda: torchdi.SecondOrder(torchdi.AutoAutograd(), torchdi.AutoCompile(compiler="aot_eager")),
+    "so-func-compile": lambda: torchdi.SecondOrder(torchdi.AutoFunc(), torchdi.AutoCompile(compiler="aot_eager")),
+    "so-finitediff-compile": lambda: torchdi.SecondOrder(torchdi.AutoFiniteDiff(), torchdi.AutoCompile(compiler="aot_eager")),
+}
+COMPILED |= set(COMBINATIONS)
+FINITE |= {"so-finitediff-compile"}
 
 
 class UsageError(Exception):
@@ -66,24 +76,28 @@ def _split(values: Sequence[str] | None) -> list[str]:
     return names
 
 
-def select_backends(requested: Sequence[str] | None) -> tuple[dict[str, Any], list[str]]:
+def select_backends(
+    requested: Sequence[str] | None, extra: dict[str, Callable[[], Any]] | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """``({name: backend}, notes)``: the requested backends (default: every available one).
 
+    ``extra`` names more backends that may be requested (never chosen by default).
     Raises ``UsageError`` naming the valid backends for an unknown name.
     """
+    known = {**BACKENDS, **(extra or {})}
     names = _split(requested)
-    unknown = [n for n in names if n not in BACKENDS and n != "all"]
+    unknown = [n for n in names if n not in known and n != "all"]
     if unknown:
         raise UsageError(
             f"unknown backend{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"valid backends: {', '.join(BACKENDS)} (or all)"
+            f"valid backends: {', '.join(known)} (or all)"
         )
     explicit = bool(names) and "all" not in names
     chosen = list(dict.fromkeys(names)) if explicit else list(BACKENDS)
     selected: dict[str, Any] = {}
     notes = []
     for name in chosen:
-        backend = BACKENDS[name]()
+        backend = known[name]()
         problem = backend_problem(backend)
         if problem is None:
             selected[name] = backend
@@ -231,7 +245,7 @@ def run_check(args: argparse.Namespace) -> int:
     from torchdi.testing import OPERATORS, default_scenarios
     from torchdi.testing.compare import run_differentiation_tests
 
-    backends, notes = select_backends(args.backends)
+    backends, notes = select_backends(args.backends, COMBINATIONS)
     operators = select_operators(args.operators)
     for note in notes:
         _err(f"note: {note}")
@@ -341,7 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run torchdi.testing.test_differentiation on the default scenarios for each "
         "available backend and print which operators work (ok / FAIL / unsupported).",
     )
-    check.add_argument("--backends", action="append", metavar="NAMES", help=f"comma-separated: {', '.join(BACKENDS)} (default: all available)")
+    check.add_argument(
+        "--backends",
+        action="append",
+        metavar="NAMES",
+        help=f"comma-separated: {', '.join(BACKENDS)} (default: all available), or compositions {', '.join(COMBINATIONS)}",
+    )
     check.add_argument("--operators", action="append", metavar="NAMES", help="check only these operators")
     check.add_argument("--full", action="store_true", help="all default scenarios for compiled backends too (slow: one compilation each)")
     return parser

@@ -100,9 +100,16 @@ def unwrap_contexts(contexts: Sequence[Any], operator: str, first_position: int)
     cache_mask = []
     for i, context in enumerate(contexts):
         if not isinstance(context, Context) or type(context) is Context:
+            # Named as everywhere else: x, tx/ty, context 1..n (first_position: the 0-based
+            # position of the first context among the operator's arguments).
+            tangents_hint = (
+                f" (a tuple of tangents? {operator} takes none: tangents belong to pushforward, pullback and hvp)"
+                if isinstance(context, tuple) and first_position == 3
+                else ""
+            )
             raise TypeError(
-                f"{operator}: argument {first_position + i} (context {i}) must be wrapped in "
-                f"torchdi.Constant(...), torchdi.Cache(...) or torchdi.State(...), got {type(context).__name__}. "
+                f"{operator}: context {i + 1} (argument {first_position + i + 1}) must be wrapped in "
+                f"torchdi.Constant(...), torchdi.Cache(...) or torchdi.State(...), got {type(context).__name__}{tangents_hint}. "
                 "Contexts come after x (and after the tangents), in the order f takes them."
             )
         values.append(context.value)

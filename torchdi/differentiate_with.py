@@ -121,7 +121,7 @@ class DifferentiateWith:
 
     def __call__(self, x: Any, *contexts: Context[Any]) -> Any:
         """``f(x, *values)``, differentiable with respect to ``x`` through ``backend``."""
-        values, mask = unwrap_contexts(contexts, "DifferentiateWith", first_position=2)
+        values, mask = unwrap_contexts(contexts, "DifferentiateWith", first_position=1)  # 0-based: g(x, *contexts)
         kinds = tuple(type(c) for c in contexts)
         x_leaves, x_spec = _x_leaves(x)
         context_spec: pytree.TreeSpec | None

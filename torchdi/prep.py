@@ -6,16 +6,18 @@ with: structure, type, shape, dtype and device of every leaf, never the values t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
 
-_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device)
+_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, Static)
 
 
 class PreparationMismatchError(ValueError):
@@ -26,23 +28,46 @@ class PreparationMismatchError(ValueError):
 
 
 def _static_key(obj: Any) -> Any:
-    """How a static leaf is compared across calls without keeping the user's object alive."""
+    """How a static leaf is compared across calls, without keeping the user's object alive.
+
+    Immutable values (ints, strings, ``Static`` wrappers ...) are compared by value. Any other
+    object is described by its type only: comparing it with ``==`` may be ambiguous (tensors
+    inside a dataclass) and remembering it would keep it alive; what a compiled program reads
+    from it is watched by the compiler's own guards, which recompile (counted and logged)
+    rather than run a stale program.
+    """
     if isinstance(obj, _IMMUTABLE_STATIC):
         return obj
-    try:
-        return weakref.ref(obj)  # equal while both referents are alive and compare equal
-    except TypeError:
-        return obj
+    return _ANY_VALUE
+
+
+class _AnyValue:
+    """The static key of a mutable object: any value of its type."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<any value>"
+
+
+_ANY_VALUE = _AnyValue()
+
+
+def _translates(kind: type) -> bool:
+    """Whether a user registered ``kind`` with ``to_device_tensor`` (it is then traced, not static)."""
+    return to_device_tensor.dispatch(kind) is not to_device_tensor.dispatch(object)
 
 
 def describe(obj: Any, keep_static: bool = False) -> Any:
     """A hashable description of ``obj`` that is equal across calls iff a ``Prep`` may be reused.
 
     Tensors are described by type, shape, dtype and device; numpy arrays by shape and dtype;
-    Python/numpy scalars by type (their values are free to change); containers by type, keys and
-    the descriptions of their items. Other leaves are static: with ``keep_static`` their value
-    (by equality; by weak reference for mutable objects) is part of the description, since a
-    compiled program bakes it in.
+    Python/numpy scalars by type (their values are free to change); containers (every
+    registered pytree node: dict, ``OrderedDict``, list, tuple, namedtuple, user nodes) by type,
+    keys and the descriptions of their items; a type registered with ``to_device_tensor`` by
+    the description of its translation. Other leaves are static: with ``keep_static`` an
+    immutable value (int, str, ``Static(value)`` ...) is part of the description, since a compiled
+    program bakes it in; other objects are described by their type.
 
     Example::
 
@@ -60,9 +85,28 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
         return (kind,)
     if isinstance(obj, np.ndarray):
         return (np.ndarray, obj.shape, obj.dtype)
+    if isinstance(obj, dict) and kind in pytree.SUPPORTED_NODES:  # OrderedDict, defaultdict
+        return (kind, tuple((key, describe(value, keep_static)) for key, value in obj.items()))
+    node = pytree.SUPPORTED_NODES.get(kind)
+    if node is not None:  # a user-registered container (or deque ...): its children, in order
+        children, context = node.flatten_fn(obj)
+        return (kind, tuple(describe(child, keep_static) for child in children), _context_key(context))
+    if _translates(kind):
+        translated = to_device_tensor(obj, None)
+        if translated is not obj:  # a user type made traced; Static and the like stay static
+            return (kind, "translated", describe(translated, keep_static))
     if keep_static:
         return (kind, _static_key(obj))
     return (kind,)
+
+
+def _context_key(context: Any) -> Any:
+    """A pytree node's flatten context, compared safely (it must hold no tensors)."""
+    try:
+        hash(context)
+    except TypeError:
+        return repr(context)
+    return context if not isinstance(context, torch.Tensor) else _ANY_VALUE
 
 
 def describe_contexts(values: tuple[Any, ...], kinds: tuple[str, ...], keep_static: bool) -> tuple[Any, ...]:
@@ -76,8 +120,9 @@ def format_description(desc: Any) -> str:
     if isinstance(kind, type) and issubclass(kind, torch.Tensor):
         _, shape, dtype, device = desc
         return f"{kind.__name__}(shape={tuple(shape)}, dtype={dtype}, device={device})"
-    if kind is dict:
-        return "dict{" + ", ".join(f"{key!r}: {format_description(d)}" for key, d in desc[1]) + "}"
+    if isinstance(kind, type) and issubclass(kind, dict) and len(desc) == 2:
+        items = "{" + ", ".join(f"{key!r}: {format_description(d)}" for key, d in desc[1]) + "}"
+        return f"dict{items}" if kind is dict else f"{kind.__name__}({items})"
     if isinstance(kind, type) and issubclass(kind, (tuple, list)) and len(desc) == 2 and isinstance(desc[1], tuple):
         inner = ", ".join(format_description(d) for d in desc[1])
         return f"{kind.__name__}({inner})" if kind not in (tuple, list) else ("[" + inner + "]" if kind is list else "(" + inner + ")")
@@ -86,12 +131,13 @@ def format_description(desc: Any) -> str:
     if kind in ("Constant", "Cache", "State"):
         return f"{kind}({format_description(desc[1])})"
     name = kind.__name__ if isinstance(kind, type) else str(kind)
+    if len(desc) == 3 and desc[1] == "translated":
+        return f"{name}(translated to {format_description(desc[2])})"
+    if len(desc) == 3:  # a registered pytree node
+        return f"{name}(" + ", ".join(format_description(d) for d in desc[1]) + ")"
     if len(desc) == 2:
         value = desc[1]
-        if isinstance(value, weakref.ref):
-            target = value()
-            value = "<dead object>" if target is None else f"<{type(target).__name__} at {id(target):#x}>"
-        return f"{name}(static value {value!r})"
+        return f"{name}(any value)" if value is _ANY_VALUE else f"{name}(static value {value!r})"
     return f"{name}(any value)"
 
 
@@ -199,47 +245,55 @@ class Prep:
             f"num_compilations={self.num_compilations}{path})"
         )
 
-    def check(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> None:
+    def check(
+        self,
+        operator: str,
+        f: Callable[..., Any],
+        backend: Any,
+        received: tuple[Any, ...] | None,
+        names: tuple[str, ...] | None = None,
+    ) -> None:
         """Raise ``PreparationMismatchError`` unless the call matches the preparation.
 
-        ``received`` holds the descriptions of ``x``, the tangents and the contexts, in the
-        order of the names given at preparation.
+        ``received`` holds the descriptions of ``x``, the tangents and the contexts, named by
+        ``names`` (the public names ``x``, ``tx``/``ty``, ``context 1..n``; default: the names
+        given at preparation). ``None`` checks only the operator, ``f`` and the backend (what a
+        ``strict=False`` Prep still checks).
         """
-        if (
-            received == self._expected
-            and operator == self.operator
-            and (f is self.f or f == self.f)
-            and backend == self.backend
-        ):
+        same_f = f is self.f or f == self.f
+        same_backend = backend is self.backend or backend == self.backend
+        if (received is None or received == self._expected) and operator == self.operator and same_f and same_backend:
             return
         lines = [f"prep (prepared for {self.operator!r}, backend {self.backend!r}) cannot serve this call:"]
         lines.append(
             f"  operator: {'ok' if operator == self.operator else f'mismatch: expected {self.operator!r}, received {operator!r}'}"
         )
-        same_f = f is self.f or f == self.f
         lines.append(
             "  f: " + ("ok" if same_f else f"mismatch: expected {self.f!r}, received {f!r} (prepare again for a new function)")
         )
-        lines.append("  backend: " + ("ok" if backend == self.backend else f"mismatch: expected {self.backend!r}, received {backend!r}"))
+        lines.append("  backend: " + ("ok" if same_backend else f"mismatch: expected {self.backend!r}, received {backend!r}"))
+        if received is None:
+            lines.append("  arguments: not checked (strict=False)")
+            raise PreparationMismatchError("\n".join(lines))
         if len(received) != len(self._expected):
             lines.append(
                 f"  arguments: mismatch: prepared with {len(self._expected)} ({', '.join(self._names)}), "
                 f"received {len(received)}"
             )
-        for i, name in enumerate(self._names):
-            if i >= len(received):
-                lines.append(f"  {name}: mismatch: expected {_shorten(format_description(self._expected[i]))}, received nothing")
-                continue
-            if received[i] == self._expected[i]:
+        got = dict(zip(self._names if names is None else names, received))
+        for name, expected in zip(self._names, self._expected):
+            if name not in got:
+                lines.append(f"  {name}: mismatch: expected {_shorten(format_description(expected))}, received nothing")
+            elif got[name] == expected:
                 lines.append(f"  {name}: ok")
             else:
                 lines.append(
-                    f"  {name}: mismatch: expected {_shorten(format_description(self._expected[i]))}, "
-                    f"received {_shorten(format_description(received[i]))}{_hint(self._expected[i], received[i])}"
+                    f"  {name}: mismatch: expected {_shorten(format_description(expected))}, "
+                    f"received {_shorten(format_description(got[name]))}{_hint(expected, got[name])}"
                 )
-        n_head = sum(not name.startswith("context") for name in self._names)  # x and the tangents
-        for j in range(len(self._names), len(received)):
-            lines.append(f"  context {j - n_head + 1}: mismatch: not present at preparation")
+        for name in got:
+            if name not in self._names:
+                lines.append(f"  {name}: mismatch: not present at preparation, received {_shorten(format_description(got[name]))}")
         raise PreparationMismatchError("\n".join(lines))
 
 
@@ -253,7 +307,8 @@ def _hint(expected: Any, received: Any) -> str:
     e_kind, r_kind = expected[0], received[0]
     if e_kind in ("Constant", "Cache", "State") and r_kind == e_kind:
         return _hint(expected[1], received[1])
-    if e_kind is dict and r_kind is dict:  # items are (key, description) pairs
+    if isinstance(e_kind, type) and issubclass(e_kind, dict) and r_kind is e_kind and len(expected) == 2:
+        # items are (key, description) pairs
         pairs = [(f"key {ek!r}", ed, rd) for (ek, ed), (rk, rd) in zip(expected[1], received[1]) if ek == rk]
     elif e_kind in (tuple, list) and r_kind is e_kind and len(expected[1]) == len(received[1]):
         pairs = [(f"item {i}", ed, rd) for i, (ed, rd) in enumerate(zip(expected[1], received[1]))]

@@ -38,9 +38,11 @@ __all__ = [
     "Spec",
     "TreeMeta",
     "build_runner",
+    "jacobian_uses_forward",
     "outer_inner",
     "replace_spec",
     "unbatch",
+    "zero_runner",
 ]
 
 Runner = Callable[[Any, Any, tuple[Any, ...]], tuple[Any, ...]]
@@ -101,6 +103,13 @@ def outer_inner(backend: Backend) -> tuple[Backend, Backend]:
     if not isinstance(backend, SecondOrder):
         return backend, backend
     outer, inner = backend.outer, backend.inner
+    if isinstance(inner, (AutoCompile, AutoXLA)) and not isinstance(outer, (AutoCompile, AutoXLA, AutoFiniteDiff)):
+        raise UnsupportedOperatorError(
+            f"{backend!r}: eager {type(outer).__name__} cannot differentiate a compiled inner backend "
+            "(torch.compile's graphs support neither double backward nor torch.func transforms from eager code). "
+            "Backends that can: AutoCompile() (forward over reverse of torch.func, compiled as one program), "
+            "SecondOrder(AutoCompile(), AutoFunc()), SecondOrder(AutoFiniteDiff(), AutoCompile())"
+        )
     if _base(outer) is AutoFunc and _base(inner) is AutoAutograd:
         raise UnsupportedOperatorError(
             f"{backend!r}: torch.func transforms cannot differentiate torch.autograd.grad calls. "
@@ -123,6 +132,37 @@ def _base(backend: Backend) -> type:
     return type(backend)
 
 
+# Families that AutoAutograd computes by double backward (forward mode included).
+_DOUBLE_BACKWARD = frozenset({"pushforward", "hvp", "hessian", "second_derivative"})
+
+
+def jacobian_uses_forward(native: frozenset[str], spec: Spec) -> bool:
+    """Whether the generic jacobian takes columns (pushforwards) rather than rows (pullbacks).
+
+    Forward mode when the engine has no native reverse mode, when it has both and the input is
+    smaller than the output, and always for complex ``x`` or ``y``: a column is the derivative
+    along a real basis direction, which every backend computes alike (see the README's complex
+    convention), while a reverse-mode row is its conjugate only for holomorphic ``f``.
+    """
+    complex_ = any(d.is_complex for d in (*spec.x.dtypes, *spec.y.dtypes))
+    return "pullback" not in native or ("pushforward" in native and (spec.x.numel < spec.y.numel or complex_))
+
+
+def _refuse_compiled_double_backward(backend: Backend, family: str, spec: Spec) -> None:
+    """``AutoCompile(inner=AutoAutograd())`` cannot run what needs double backward: AOTAutograd
+    does not support it, and torch raises from inside the compiled graph at preparation."""
+    if not (isinstance(backend, AutoCompile) and _base(backend) is AutoAutograd):
+        return
+    from torchdi.engines.autograd import AutogradEngine
+
+    if family in _DOUBLE_BACKWARD or (family == "jacobian" and jacobian_uses_forward(AutogradEngine.native, spec)):
+        raise UnsupportedOperatorError(
+            f"{backend!r}: {family} needs double backward (or forward mode built on it), which torch.compile's "
+            "AOTAutograd does not support. Backends that can: AutoCompile() (inner=AutoFunc(), the default), "
+            "AutoAutograd(), SecondOrder(AutoFiniteDiff(), AutoCompile(inner=AutoAutograd(), fullgraph=False))"
+        )
+
+
 # family -> generic builder(backend, f, spec); filled by the operator modules.
 FALLBACKS: dict[str, Callable[[Backend, BoundFunction, Spec], Runner]] = {}
 
@@ -131,10 +171,46 @@ def build_runner(backend: Backend, family: str, f: BoundFunction, spec: Spec) ->
     """The runner of ``family`` for ``backend``: the engine's native one, else the generic fallback."""
     from torchdi.engines import engine_for
 
+    _refuse_compiled_double_backward(backend, family, spec)
     runner = engine_for(backend).build(family, f, spec)
     if runner is None:
         runner = FALLBACKS[family](backend, f, spec)
     return runner
+
+
+def zero_runner(family: str, f: BoundFunction, spec: Spec) -> Runner:
+    """The runner of ``family`` when ``x`` or ``f(x)`` has no elements: the derivative is the zero
+    map, so every result is zeros of its usual shape (empty, except a pushforward with an empty
+    ``x`` or a pullback with an empty ``f(x)``)."""
+
+    def zeros(meta: TreeMeta, device: torch.device, batch: tuple[int, ...] = ()) -> Any:
+        return pytree.tree_unflatten(
+            [torch.zeros((*batch, *s), dtype=d, device=device) for s, d in zip(meta.shapes, meta.dtypes)], meta.spec
+        )
+
+    k = spec.n_tangents
+
+    def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
+        device = pytree.tree_leaves(x)[0].device
+        if family == "hvp":
+            return zeros(spec.x, device), zeros(spec.x, device, (k,))
+        y = f(x, contexts)
+        if family == "pushforward":
+            return y, zeros(spec.y, device, (k,))
+        if family == "pullback":
+            return y, zeros(spec.x, device, (k,))
+        if family == "gradient":
+            return y, zeros(spec.x, device)
+        if family == "jacobian":
+            return y, torch.zeros((*spec.y.shapes[0], *spec.x.shapes[0]), dtype=spec.y.dtypes[0], device=device)
+        if family == "hessian":
+            x_shape = tuple(spec.x.shapes[0])
+            return y, zeros(spec.x, device), torch.zeros(x_shape + x_shape, dtype=spec.x.dtypes[0], device=device)
+        if family == "derivative":
+            return y, torch.zeros_like(y)
+        return y, torch.zeros_like(y), torch.zeros_like(y)  # second_derivative
+
+    return run
 
 
 def unbatch(tree: Any, count: int) -> tuple[Any, ...]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "Static",
     "copyfrom",
     "copyto_",
     "ravel",
@@ -20,6 +22,43 @@ __all__ = [
 ]
 
 Device = torch.device | str | None
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Static(Generic[T]):
+    """A context value that compiled backends keep static (baked into the program) instead of tracing.
+
+    ``to_device_tensor`` traces floats, numpy arrays and tensors, so that a new value does not
+    recompile; Python-level use of such a value (``range(int(c))``, a branch on it, numpy calls)
+    cannot be traced. Wrap it in ``Static``: ``f`` receives the wrapper on every backend and reads
+    ``.value`` (a plain Python object), the compiled program bakes it in, and the strict check
+    compares it by value, so a new value needs a new preparation (with ``strict=False``: a counted,
+    logged recompilation).
+
+    Args:
+        value: a hashable value (a float, int, str, or a tuple of them).
+
+    Raises:
+        TypeError: when ``value`` is not hashable (it could not be compared across calls).
+
+    Example::
+
+        >>> f = lambda x, steps: x.sum() * len(range(int(steps.value)))
+        >>> torchdi.gradient(f, torchdi.AutoCompile(), torch.ones(2), torchdi.Constant(torchdi.Static(3.0)))
+        tensor([3., 3.])
+    """
+
+    value: T
+
+    def __post_init__(self) -> None:
+        try:
+            hash(self.value)
+        except TypeError:
+            raise TypeError(
+                f"Static(value) needs a hashable value (a float, int, str or a tuple of them), got "
+                f"{type(self.value).__name__}"
+            ) from None
 
 
 @functools.singledispatch
@@ -81,6 +120,7 @@ def _(obj: complex, device: Device) -> torch.Tensor:
     return torch.tensor(obj, dtype=torch.complex128, device=device)
 
 
+@to_device_tensor.register(Static)
 @to_device_tensor.register(bool)
 @to_device_tensor.register(int)
 @to_device_tensor.register(str)

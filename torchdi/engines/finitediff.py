@@ -21,6 +21,19 @@ def _max_abs(tree: Any) -> float:
     return max(float(leaf.detach().abs().max()) if leaf.numel() else 0.0 for leaf in pytree.tree_leaves(tree))
 
 
+def _magnitude_along(x: Any, direction: Any) -> float:
+    """``max_i |x_i d_i|``: the size of the coordinates of ``x`` that ``direction`` moves.
+
+    For a basis direction this is ``|x_i|``, so each coordinate gets a step relative to its own
+    magnitude (one step scaled by ``max |x|`` would drown ``x = [1e6, 0.01]``'s second
+    coordinate in truncation error).
+    """
+    return max(
+        (float((a.detach().abs() * d.abs()).max()) if a.numel() else 0.0 for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction))),
+        default=0.0,
+    )
+
+
 def _axpy(x: Any, step: float, direction: Any) -> Any:
     return pytree.tree_map(lambda a, d: a + step * d, x, direction)
 
@@ -62,7 +75,6 @@ class FiniteDiffEngine:
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             leaves = pytree.tree_leaves(x)
             relative = self._relative_step(leaves[0].dtype, order=1)
-            scale = 1.0 + _max_abs(x)
             y = f(x, contexts)
             count = pytree.tree_leaves(tx)[0].shape[0]
             columns = []
@@ -72,6 +84,7 @@ class FiniteDiffEngine:
                 if norm == 0.0:
                     columns.append(pytree.tree_map(torch.zeros_like, y))
                     continue
+                scale = 1.0 + _magnitude_along(x, direction) / norm
                 columns.append(self._difference(f, x, y, direction, relative * scale / norm, contexts))
             return y, pytree.tree_map(lambda *cs: torch.stack(cs), *columns)
 

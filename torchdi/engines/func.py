@@ -20,6 +20,9 @@ __all__ = ["FuncEngine"]
 
 # vmap's out_dims for (value, per-tangent result): the value does not depend on the tangent.
 _SHARED_VALUE: Any = (None, 0)
+# Random operations in f (dropout) draw once for all tangents: one evaluation of f shared by
+# every tangent, as AutoAutograd computes (vmap's default refuses random operations).
+_RANDOMNESS = "same"
 
 
 def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -50,6 +53,8 @@ class FuncEngine:
         self.chunk_size = backend.chunk_size
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
+        if family in ("jacobian", "hessian") and any(d.is_complex for d in (*spec.x.dtypes, *spec.y.dtypes)):
+            return None  # jacrev/jacfwd refuse complex tensors: the generic fallback takes columns by jvp
         return getattr(self, f"_{family}")(f, spec)
 
     def _pullback(self, f: Any, spec: Any) -> Any:
@@ -60,7 +65,7 @@ class FuncEngine:
             if single:
                 (dx,) = vjp_fn(_first(ty))
                 return y, _add_batch(dx)
-            (dx,) = vmap(vjp_fn)(ty)
+            (dx,) = vmap(vjp_fn, randomness=_RANDOMNESS)(ty)
             return y, dx
 
         return run
@@ -76,7 +81,7 @@ class FuncEngine:
             if single:
                 y, dy = along(_first(tx))
                 return y, _add_batch(dy)
-            y, dy = vmap(along, out_dims=_SHARED_VALUE)(tx)
+            y, dy = vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
             return y, dy
 
         return run
@@ -105,12 +110,25 @@ class FuncEngine:
     def _second_derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             one = torch.ones_like(x)
+            # Context tensors enter both jvps as primals with explicit zero tangents. Closed over,
+            # their tangents are "efficient zero" tensors, which inductor reuses as an output
+            # buffer and writes into: a segfault for sin(t * a) with a tensor Constant a.
+            leaves, context_spec = pytree.tree_flatten(contexts)
+            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
+            tensors = tuple(leaves[i] for i in positions)
+            zeros = tuple(torch.zeros_like(t) for t in tensors)
 
-            def value_and_derivative(x_: torch.Tensor) -> tuple[Any, Any]:
-                y_, dy_ = _jvp(lambda x__: f(x__, contexts), (x_,), (one,))
+            def with_contexts(x_: torch.Tensor, *tensors_: torch.Tensor) -> Any:
+                inner = list(leaves)
+                for i, tensor in zip(positions, tensors_):
+                    inner[i] = tensor
+                return f(x_, pytree.tree_unflatten(inner, context_spec))
+
+            def value_and_derivative(x_: torch.Tensor, *tensors_: torch.Tensor) -> tuple[Any, Any]:
+                y_, dy_ = _jvp(with_contexts, (x_, *tensors_), (one, *zeros))
                 return y_, _like_primal(dy_, y_)
 
-            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x,), (one,))
+            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x, *tensors), (one, *zeros))
             return y, dy, _like_primal(d2y, y)
 
         return run
@@ -125,7 +143,7 @@ class FuncEngine:
                 return y, y
 
             if forward:
-                jac, y = jacfwd(with_value, has_aux=True)(x)
+                jac, y = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 jac, y = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
             return y, jac
@@ -144,7 +162,7 @@ class FuncEngine:
             if single:
                 g, hv = along(_first(tx))
                 return g, _add_batch(hv)
-            return vmap(along, out_dims=_SHARED_VALUE)(tx)
+            return vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
 
         return run
 
@@ -157,7 +175,7 @@ class FuncEngine:
                 return g, (g, y)
 
             if self.chunk_size is None:
-                hess, (g, y) = jacfwd(gradient_with_value, has_aux=True)(x)
+                hess, (g, y) = jacfwd(gradient_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
             return y.reshape(y_shape), g, hess

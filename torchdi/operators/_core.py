@@ -26,8 +26,8 @@ from torchdi.distributed import refuse_data_parallel
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.into_grad import IntoGrad
 from torchdi.prep import Prep, describe, describe_contexts
-from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner
-from torchdi.translate import copyto_
+from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
+from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["prepare_operator", "run_operator", "write_out"]
 
@@ -117,6 +117,13 @@ def _check_tangents(tangents: Any, like: TreeMeta, like_name: str, operator: str
                 f"(shapes {[tuple(s) for s in like.shapes]}, dtypes {list(like.dtypes)}), "
                 f"got shapes {[tuple(s) for s in got[1]]}, dtypes {list(got[2])}"
             )
+
+
+def _tangent_name(family: str, tangents: Any) -> str | None:
+    """The public name of the tangents a call passed (``tx``/``ty``), or ``None``."""
+    if tangents is None:
+        return None
+    return "ty" if TANGENTS_LIKE[family] == "y" else "tx"
 
 
 def _argument_names(tangent_name: str | None, n_contexts: int) -> tuple[str, ...]:
@@ -306,6 +313,11 @@ def _prepare_operator(
 ) -> Prep:
     from torchdi.engines import engine_for
 
+    if torch.is_inference_mode_enabled():
+        # The user's outer context, not a request to drop derivatives: under inference_mode
+        # autograd records nothing and every derivative would silently be zero.
+        with torch.inference_mode(False):
+            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
     if not callable(f):
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     _check_backend(backend, operator)
@@ -314,13 +326,21 @@ def _prepare_operator(
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
     kinds = context_kinds(contexts)
     _check_state(family, backend, values, kinds, operator)
+    x = _without_inference_tensors(x)
+    values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
     seen_by_f = getattr(engine, "contexts_seen_by_f", None)
-    with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
-        y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
+    try:
+        with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+            y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
+    except Exception as error:
+        note = None if seen_by_f is None else _translation_note(values)
+        if note:
+            error.add_note(note)
+        raise
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
@@ -348,13 +368,18 @@ def _prepare_operator(
     # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
     # use (a training loop that only calls value_and_gradient never compiles it).
     lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
-    runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
     lean = None
-    if lean_spec is not None and value is None:
-        def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
-            # Built on the plain operator's first call: its compilation must not touch States either.
-            with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
-                return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
+    if spec.x.numel == 0 or spec.y.numel == 0:
+        # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
+        # backend, instead of each engine's failure on empty bases and stacks.
+        runner = zero_runner(family, bound, spec)
+    else:
+        runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
+        if lean_spec is not None and value is None:
+            def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
+                # Built on the plain operator's first call: its compilation must not touch States either.
+                with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
+                    return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -376,9 +401,63 @@ def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, 
     runner = build_runner(backend, family, f, spec)
     warm_up = getattr(runner, "warm_up", None)
     if warm_up is not None:
-        with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
-            warm_up(x, tangents, values)
+        try:
+            with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
+                warm_up(x, tangents, values)
+        except Exception as error:
+            note = _translation_note(values)
+            if note:
+                error.add_note(note)
+            raise
     return runner
+
+
+def _translation_note(values: tuple[Any, ...]) -> str | None:
+    """Say which context values a compiled ``f`` receives traced (``to_device_tensor``) and how
+    to keep one static: errors from Python-level use of them (``arr.astype``, ``range(int(c))``)
+    otherwise read like unrelated tracing failures."""
+    traced = []
+    for i, value in enumerate(values):
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                continue
+            name = f"context {i + 1}{_path(path)} ({type(leaf).__name__})"
+            if type(leaf) is float:
+                traced.append(f"{name} as a traced (symbolic) float")
+            elif isinstance(to_device_tensor(leaf, None), torch.Tensor):
+                traced.append(f"{name} as torch.Tensor")
+    if not traced:
+        return None
+    return (
+        f"torchdi note: the compiled function received {', '.join(traced)}: compiled backends trace "
+        "numpy arrays, numpy scalars and Python floats (torchdi.to_device_tensor) so that a new value "
+        "does not recompile. Use torch operations on them (tensor methods rather than numpy's), or keep "
+        "the value static (baked into the program; a new value needs a new preparation): pass "
+        "torchdi.Static(value) and read .value in f, pass an int or str, or register your own type with "
+        "torchdi.to_device_tensor to return it unchanged."
+    )
+
+
+def _without_inference_tensors(tree: Any) -> Any:
+    """``tree`` with tensors made under ``torch.inference_mode`` copied into ordinary tensors.
+
+    Inference tensors have no version counter and cannot be saved for backward, so no backend
+    could differentiate through them; the copy is only made when one is present.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.clone() if tree.is_inference() else tree
+    if type(tree) is tuple and not tree:  # no contexts: the common case, without a pytree walk
+        return tree
+    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):  # parameters
+        if not any(v.is_inference() for v in tree.values()):
+            return tree
+        return {k: v.clone() if v.is_inference() else v for k, v in tree.items()}
+    leaves, spec = pytree.tree_flatten(tree)
+    if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
+        return tree
+    return pytree.tree_unflatten(
+        [leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf for leaf in leaves], spec
+    )
 
 
 def run_operator(
@@ -396,6 +475,9 @@ def run_operator(
 
     With ``value=False`` the value part may be ``None`` (the caller drops it).
     """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # see prepare_operator
+            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value)
     if prep is None:
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
         values = tuple(c.value for c in contexts)
@@ -404,7 +486,12 @@ def run_operator(
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
         values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
         if prep.strict:
-            prep.check(family, f, backend, _received(x, tangents, values, context_kinds(contexts), prep.keep_static))
+            names = _argument_names(_tangent_name(family, tangents), len(values))
+            prep.check(family, f, backend, _received(x, tangents, values, context_kinds(contexts), prep.keep_static), names)
+        elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
+            prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
+    x = _without_inference_tensors(x)
+    values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value else prep.plain_call(x_run, batched, values)
@@ -422,8 +509,33 @@ def write_out(result: Any, out: Any, operator: str) -> Any:
         return result
     if isinstance(out, IntoGrad):
         return out.write(result, operator)
+    _check_out(result, out, operator)
     try:
         with torch.no_grad():
             return copyto_(out, result)
     except ValueError as error:
         raise ValueError(f"{operator}: out= must have the structure and shapes of the result: {error}") from None
+
+
+def _check_out(result: Any, out: Any, operator: str) -> None:
+    """PyTorch's ``out=`` rule: the result may only be cast to a dtype it casts to safely
+    (``torch.can_cast``: a float result never truncates into an integer ``out=``, a complex one
+    never loses its imaginary part) and must be on ``out``'s device."""
+    results, outs = pytree.tree_leaves(result), pytree.tree_leaves(out)
+    if len(results) != len(outs):
+        return  # copyto_ reports the structure mismatch
+    several = len(results) > 1
+    for i, (r, o) in enumerate(zip(results, outs)):
+        if not (isinstance(r, torch.Tensor) and isinstance(o, torch.Tensor)):
+            continue
+        where = f" (leaf {i})" if several else ""
+        if not torch.can_cast(r.dtype, o.dtype):
+            raise RuntimeError(
+                f"{operator}: the result{where} has dtype {r.dtype}, which cannot be cast safely to the "
+                f"out= dtype {o.dtype} (torch.can_cast is False); pass out= of dtype {r.dtype}"
+            )
+        if r.device != o.device:
+            raise RuntimeError(
+                f"{operator}: the result{where} is on device {r.device} but out= is on device {o.device}; "
+                f"pass out= on {r.device}"
+            )

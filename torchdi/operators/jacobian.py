@@ -18,6 +18,7 @@ from torchdi.runners import (
     Runner,
     Spec,
     build_runner,
+    jacobian_uses_forward,
     replace_spec,
 )
 
@@ -71,15 +72,15 @@ def jacobian(
 def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
     """Generic jacobian: rows from pullbacks of the output basis, or columns from pushforwards.
 
-    Forward mode is used when the engine has no native reverse mode, or when it has both and
-    the input is smaller than the output.
+    Forward mode is used when the engine has no native reverse mode, when it has both and the
+    input is smaller than the output, and for complex ``x`` or ``y`` (``jacobian_uses_forward``).
     """
     from torchdi.engines import engine_for
 
     native = engine_for(backend).native
     m, n = spec.y.numel, spec.x.numel
     y_shape, x_shape = tuple(spec.y.shapes[0]), tuple(spec.x.shapes[0])
-    forward = "pullback" not in native or ("pushforward" in native and n < m)
+    forward = jacobian_uses_forward(native, spec)
     if forward:
         pushforward = build_runner(backend, "pushforward", f, replace_spec(spec, n_tangents=n))
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
@@ -80,17 +81,31 @@ def pullback(
 
 
 def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
-    """Generic pullback: the Jacobian's columns from pushforwards of the input basis."""
+    """Generic pullback: the Jacobian's columns from pushforwards of the input basis.
+
+    PyTorch's complex convention: the pullback of ``v`` is the gradient of ``Re(<v, y>)`` as
+    ``∂/∂Re x + i ∂/∂Im x`` (``J^H v`` for holomorphic ``f``), so complex ``x`` takes the
+    pushforwards of the imaginary basis too.
+    """
     n = spec.x.numel
-    pushforward = build_runner(backend, "pushforward", f, replace_spec(spec, n_tangents=n))
+    complex_x = any(d.is_complex for d in spec.x.dtypes)
+    n_directions = 2 * n if complex_x else n
+    pushforward = build_runner(backend, "pushforward", f, replace_spec(spec, n_tangents=n_directions))
 
     def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-        y, columns = pushforward(x, spec.x.basis(x), contexts)  # each column: dy for one basis dx
-        jac_t = torch.stack([ravel(column)[0] for column in unbatch(columns, n)])  # (n, m)
+        basis = spec.x.basis(x)
+        if complex_x:
+            basis = pytree.tree_map(lambda b: torch.cat([b, 1j * b]), basis)
+        y, columns = pushforward(x, basis, contexts)  # each column: dy for one basis dx
+        jac_t = torch.stack([ravel(column)[0] for column in unbatch(columns, n_directions)])  # (n_directions, m)
         flat_ty = torch.stack([ravel(t)[0] for t in unbatch(ty, spec.n_tangents)])  # (k, m)
-        _, unravel_x = ravel(x)
-        dx = unravel_x(flat_ty.to(jac_t.dtype) @ jac_t.T)  # (k, n) -> x layout with batch dim
-        return y, dx
+        flat_x, unravel_x = ravel(x)
+        products = flat_ty.to(jac_t.dtype).conj() @ jac_t.T  # (k, n_directions): <v, J e>
+        if complex_x:
+            products = torch.complex(products[:, :n].real, products[:, n:].real)
+        elif products.is_complex():
+            products = products.real
+        return y, unravel_x(products.to(flat_x.dtype))  # (k, n) -> x layout with batch dim
 
     return run
 
