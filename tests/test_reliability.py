@@ -322,11 +322,6 @@ def test_item08_eager_outer_over_compiled_inner_is_refused(outer: object) -> Non
     torch.testing.assert_close(hv, torch.full((2,), 6.0))
 
 
-@pytest.mark.xfail(
-    reason="main's AutoCompile builds its torch.compile object in warm_up, which a compiled runner nested in "
-    "another backend's runner never gets ('NoneType' object is not callable); engines/compile.py is the lead's",
-    strict=False,
-)
 def test_item08_finite_differences_over_compiled_inner() -> None:
     (hv,) = td.hvp(cubic, SecondOrder(AutoFiniteDiff(), COMPILED), torch.ones(2), (torch.ones(2),))
     torch.testing.assert_close(hv, torch.full((2,), 6.0), rtol=1e-3, atol=1e-3)

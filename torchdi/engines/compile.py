@@ -350,6 +350,11 @@ class CompiledRunner:
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         """Run the entry whose dynamo guards pass, else go through ``torch.compile``."""
+        if self._compiled is None:
+            # A runner nested in another one (finite differences over a compiled inner backend)
+            # is not warmed up by preparation: it compiles on its first call.
+            with torch.no_grad():
+                self.warm_up(x, tangents, contexts)
         x, tangents, contexts = self._arguments(x, tangents, contexts)
         if self.fast_path and not self.owns_buffers:
             frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
