@@ -57,15 +57,18 @@ def _logging_calls() -> set[Any]:
 
 def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
     """The dynamo settings every compilation of a preparation runs under."""
-    return torch._dynamo.config.patch(
+    config = torch._dynamo.config
+    # A logging call is a graph break in dynamo, and real model code logs (transformers' losses
+    # do): the compiled program skips such calls; f's eager run at preparation logs. (The knob's
+    # name before torch 2.10: ignore_logger_methods.)
+    logging_knob = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
+    return config.patch(
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
         capture_scalar_outputs=True,
         recompile_limit=RECOMPILE_LIMIT,
         accumulated_recompile_limit=RECOMPILE_LIMIT,
-        # A logging call is a graph break in dynamo, and real model code logs (transformers'
-        # losses do): the compiled program skips such calls; f's eager run at preparation logs.
-        ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | _logging_calls(),
+        **{logging_knob: set(getattr(config, logging_knob)) | _logging_calls()},
     )
 
 
