@@ -62,14 +62,30 @@ def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
     # do): the compiled program skips such calls; f's eager run at preparation logs. (The knob's
     # name before torch 2.10: ignore_logger_methods.)
     logging_knob = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
-    return config.patch(
+    settings: dict[str, Any] = {
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
-        capture_scalar_outputs=True,
-        recompile_limit=RECOMPILE_LIMIT,
-        accumulated_recompile_limit=RECOMPILE_LIMIT,
-        **{logging_knob: set(getattr(config, logging_knob)) | _logging_calls()},
-    )
+        "capture_scalar_outputs": True,
+        "recompile_limit": RECOMPILE_LIMIT,
+        "accumulated_recompile_limit": RECOMPILE_LIMIT,
+        logging_knob: set(getattr(config, logging_knob)) | _logging_calls(),
+    }
+    return config.patch(settings)
+
+
+def _forget_float_specializations() -> None:
+    """Empty dynamo's record of the symbolic floats it had to specialize.
+
+    Dynamo keeps that record by symbol name ("zf0") in a process-wide set that outlives the
+    frame it was made for, so the first float of a later, unrelated compilation is specialized
+    too (and then recompiles on every new value). It is only meant for the restarts within one
+    compilation, which happen inside dynamo, between these calls.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:  # an older torch without symbolic floats
+        return
+    TensorifyState.clear()
 
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
@@ -321,8 +337,12 @@ class CompiledRunner:
         before = self.num_compilations
         if self.prepared:
             self.compile_context = self._failed_guard(x, tangents, contexts)
-        with _dynamo_config():
-            result = self._compiled(x, tangents, contexts)
+        _forget_float_specializations()
+        try:
+            with _dynamo_config():
+                result = self._compiled(x, tangents, contexts)
+        finally:
+            _forget_float_specializations()
         if self.num_compilations != before and self.prepared:
             self._refresh_entries()
         return result
