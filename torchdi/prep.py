@@ -245,6 +245,15 @@ class Prep:
             f"num_compilations={self.num_compilations}{path})"
         )
 
+    def serves(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> bool:
+        """Whether a call with these arguments' descriptions may use this preparation."""
+        return (
+            received == self._expected
+            and operator == self.operator
+            and (f is self.f or f == self.f)
+            and (backend is self.backend or backend == self.backend)
+        )
+
     def check(
         self,
         operator: str,

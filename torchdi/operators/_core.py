@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -438,6 +439,19 @@ def _translation_note(values: tuple[Any, ...]) -> str | None:
     )
 
 
+def _may_hold_inference_tensors(tree: Any) -> bool:
+    """False when ``tree`` is plain tensors, scalars and tuples/lists/dicts of them, none made
+    under ``inference_mode``; True when one is, or when another container must be walked."""
+    kind = type(tree)
+    if kind is torch.Tensor or isinstance(tree, torch.Tensor):
+        return tree.is_inference()
+    if kind is tuple or kind is list:
+        return any(_may_hold_inference_tensors(item) for item in tree)
+    if kind is dict:
+        return any(_may_hold_inference_tensors(item) for item in tree.values())
+    return not isinstance(tree, (int, float, complex, str, bytes, type(None), np.ndarray, np.generic))
+
+
 def _without_inference_tensors(tree: Any) -> Any:
     """``tree`` with tensors made under ``torch.inference_mode`` copied into ordinary tensors.
 
@@ -446,12 +460,8 @@ def _without_inference_tensors(tree: Any) -> Any:
     """
     if isinstance(tree, torch.Tensor):
         return tree.clone() if tree.is_inference() else tree
-    if type(tree) is tuple and not tree:  # no contexts: the common case, without a pytree walk
+    if not _may_hold_inference_tensors(tree):  # the common case, without a pytree walk
         return tree
-    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):  # parameters
-        if not any(v.is_inference() for v in tree.values()):
-            return tree
-        return {k: v.clone() if v.is_inference() else v for k, v in tree.items()}
     leaves, spec = pytree.tree_flatten(tree)
     if not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
         return tree
@@ -486,8 +496,9 @@ def run_operator(
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
         values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
         if prep.strict:
-            names = _argument_names(_tangent_name(family, tangents), len(values))
-            prep.check(family, f, backend, _received(x, tangents, values, context_kinds(contexts), prep.keep_static), names)
+            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static)
+            if not prep.serves(family, f, backend, received):  # the names only matter for the message
+                prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
     x = _without_inference_tensors(x)
