@@ -76,11 +76,13 @@ class State(Context[T]):
 
     Example::
 
-        >>> buffers = dict(model.named_buffers())
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         >>> def loss(params, buffers, batch):
-        ...     return torch.func.functional_call(model, (params, buffers), (batch,)).sum()
-        >>> g = torchdi.gradient(loss, torchdi.AutoFunc(), params, torchdi.State(buffers), torchdi.Constant(batch))
-        >>> # buffers["bn.running_mean"] and buffers["bn.num_batches_tracked"] were updated once
+        ...     return torch.func.functional_call(model, (params, buffers), (batch,)).pow(2).sum()
+        >>> g = torchdi.gradient(loss, torchdi.AutoFunc(), params, torchdi.State(buffers), torchdi.Constant(torch.randn(8, 3)))
+        >>> int(buffers["1.num_batches_tracked"])  # the running statistics were updated once
+        1
     """
 
     __slots__ = ()

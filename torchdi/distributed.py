@@ -42,11 +42,12 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
     Returns:
         ``grads``, reduced in place.
 
-    Example::
+    Example (in each process of ``python -m torch.distributed.run --nproc-per-node 2``; see
+    ``examples/train_ddp.py``)::
 
-        >>> td.gradient(loss, backend, params, td.Constant(local_batch), prep=prep, out=grads)
-        >>> td.distributed.all_reduce_(grads)   # every process now holds the full-batch gradient
-        >>> optimizer.step()
+        td.gradient(loss, backend, params, td.Constant(local_batch), prep=prep, out=grads)
+        td.distributed.all_reduce_(grads)   # every process now holds the full-batch gradient
+        optimizer.step()
     """
     if op not in ("mean", "sum"):
         raise ValueError(f'all_reduce_: op must be "mean" or "sum", got {op!r}')

@@ -78,10 +78,16 @@ def into_grad(params: Any, accumulate: bool = True) -> IntoGrad:
 
     Example::
 
+        >>> model = torch.nn.Linear(3, 1)
         >>> params = dict(model.named_parameters())
-        >>> optimizer.zero_grad()
-        >>> for micro_batch in micro_batches:          # accumulates, as loss.backward() would
-        ...     td.gradient(loss, backend, params, td.Constant(micro_batch), prep=prep, out=td.into_grad(params))
+        >>> loss = lambda p, batch: torch.func.functional_call(model, p, (batch,)).pow(2).mean()
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> optimizer.zero_grad()                    # .grad is None: the first result becomes it
+        >>> for micro_batch in torch.randn(4, 2, 3):  # accumulates, as loss.backward() would
+        ...     _ = torchdi.gradient(loss, torchdi.AutoAutograd(), params, torchdi.Constant(micro_batch),
+        ...                          out=torchdi.into_grad(params))
+        >>> model.weight.grad.shape
+        torch.Size([1, 3])
         >>> optimizer.step()
     """
     return IntoGrad(params, accumulate)

@@ -212,13 +212,14 @@ def _summarize_writes(written: list[tuple[str, str, torch.Tensor, str | None]]) 
             if owner is not None:
                 owned.setdefault(owner, []).append(path.rsplit(".", 1)[-1])
         parts = []
-        if plain:
-            shown = ", ".join(p or "(the tensor)" for p in plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+        named = [p for p in plain if p]  # an empty path: the argument is the tensor itself
+        if named:
+            shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
             parts.append(shown)
         for owner, names in owned.items():
             kinds = ", ".join(dict.fromkeys(names))
             parts.append(f"{len(names)} buffer{'s' if len(names) > 1 else ''} of {owner} modules ({kinds})")
-        phrases.append(f"{label}: " + "; ".join(parts))
+        phrases.append(f"{label}: " + "; ".join(parts) if parts else label)
     return "; ".join(phrases)
 
 
