@@ -57,5 +57,5 @@ pygments_style = "friendly"
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|collections|typing|types|builtins)(\..*)?"),
-    (r"py:.*", r"torchdi\.(contexts|translate|prep|backends|engines|operators|runners|errors|sparsity\.index_sets)\..*"),
+    (r"py:.*", r"torchdi\.(contexts|translate|prep|backends|engines|operators|runners|errors|sparsity\.index_sets|into_grad)\..*"),
 ]
