@@ -224,7 +224,9 @@ class CompiledRunner:
         self.autocast: dict[str, torch.dtype] = {}
         self.entries: tuple[_FastEntry, ...] = ()
         self.fast_path = False
-        self.compile_context = "at preparation"
+        # The arguments of the call in flight through dynamo, for the recompilation message
+        # (only while that call runs: a Prep keeps no user data).
+        self._call_in_flight: tuple[Any, Any, Any] | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
         # static input buffers, filled in place each call, and clones the outputs it returns
         # (a later replay overwrites them).
@@ -245,12 +247,14 @@ class CompiledRunner:
             self.num_graphs += 1
             self.num_ops += sum(node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes)
             return
+        # Asked only when dynamo does recompile: the newest entry has not been replaced yet.
+        cause = "of a change" if self._call_in_flight is None else self._failed_guard(*self._call_in_flight)
         logger.warning(
             "torchdi: AutoCompile recompiled the %s after preparation (compilation %d) because %s. "
             "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
             self.name,
             self.num_compilations,
-            self.compile_context,
+            cause,
         )
 
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
@@ -335,13 +339,13 @@ class CompiledRunner:
         if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()
         before = self.num_compilations
-        if self.prepared:
-            self.compile_context = self._failed_guard(x, tangents, contexts)
+        self._call_in_flight = (x, tangents, contexts)
         _forget_float_specializations()
         try:
             with _dynamo_config():
                 result = self._compiled(x, tangents, contexts)
         finally:
+            self._call_in_flight = None
             _forget_float_specializations()
         if self.num_compilations != before and self.prepared:
             self._refresh_entries()
