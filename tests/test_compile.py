@@ -183,8 +183,11 @@ def test_raw_torch_compile_does_recompile_on_a_new_float():
 
     raw = torch.compile(torch.func.grad(loss), backend=counting, fullgraph=True)
     x = torch.randn(3)
-    for c in (0.5, 1.5, 2.5):
-        raw(x, c)
+    # Every raw torch.func.grad in the process shares one code object and so one recompile
+    # limit: earlier tests must not have used it up.
+    with torch._dynamo.config.patch(recompile_limit=10_000, accumulated_recompile_limit=10_000):
+        for c in (0.5, 1.5, 2.5):
+            raw(x, c)
     assert len(compilations) >= 2
 
     prep = td.prepare_gradient(loss, AOT, x, td.Constant(0.5))
