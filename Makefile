@@ -2,9 +2,12 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 TORCH_VERSION := 2.13.0
-# torch-xla's newest release pins its torch: a second environment for tests/xla.
+# torch-xla's newest release pins its torch: a second environment for tests/xla. It also holds
+# torchvision, whose registry wheels are built against the registry's (CUDA) torch: 0.24.0 matches
+# torch 2.9.0 there, while no torchvision build loads beside the CPU-only torch 2.13.0 of $(VENV).
 XLA_VENV := .venv-xla
 XLA_VERSION := 2.9.0
+TORCHVISION_VERSION := 0.24.0
 PIP_QUIET := --quiet --disable-pip-version-check
 
 .PHONY: test test-main test-xla lint bench check clean docs docs-check
@@ -23,15 +26,17 @@ lint: $(VENV)/.installed
 test-main: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla
 
-$(XLA_VENV)/.installed: setup.cfg pyproject.toml
+$(XLA_VENV)/.installed: setup.cfg pyproject.toml Makefile
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/pip install $(PIP_QUIET) torch==$(XLA_VERSION) torch-xla==$(XLA_VERSION) numpy pytest hypothesis
+	$(XLA_VENV)/bin/pip install $(PIP_QUIET) torch==$(XLA_VERSION) torch-xla==$(XLA_VERSION) torchvision==$(TORCHVISION_VERSION) numpy pytest hypothesis
 	$(XLA_VENV)/bin/pip install $(PIP_QUIET) --no-deps -e .
 	touch $@
 
-# torch-xla's real PJRT CPU client: no TPU needed, no mock.
+# torch-xla's real PJRT CPU client: no TPU needed, no mock. The real-model tests run here too,
+# where torchvision loads (resnet18 in train mode against the eager loop); GPT-2 runs in test-main.
 test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
+	$(XLA_VENV)/bin/python -m pytest -q tests/test_real_models.py -k resnet
 
 test: lint test-main test-xla docs-check
 

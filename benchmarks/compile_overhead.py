@@ -11,8 +11,8 @@ turn, in every order in turn, after one untimed call), medians over repeats:
 Scenarios: (a) Rosenbrock with 1e6 float32 entries, (b) a small MLP loss (32 -> 64 -> 1) with
 respect to its input, (c) an MLP loss with respect to a dict of parameters.
 
-Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor]`` or
-``python -m torchdi bench --compile-overhead``.
+Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor] [--threads 1]`` or
+``python -m torchdi bench --suite compile-overhead``.
 """
 
 from __future__ import annotations
@@ -214,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compiler", default="inductor")
+    # One thread by default, as update_readme.py: on a shared 2-core machine two threads stall
+    # whenever the other core is busy, and the medians swing far more than the ratios measured.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown (the docs include it)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
     setting = f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats"
     print(setting)

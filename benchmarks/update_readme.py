@@ -1,6 +1,7 @@
-"""Regenerate the benchmark table and plot quoted in README.md, on this machine.
+"""Regenerate the benchmark tables and plot quoted in README.md, on this machine.
 
     .venv/bin/python benchmarks/update_readme.py [--full] [--threads N]
+    .venv/bin/python benchmarks/update_readme.py --suite compile-overhead [--repeats N]
 
 Runs ``python -m torchdi bench --quick --threads 1 --markdown benchmarks/results.md --plot
 benchmarks/bench.png`` (without ``--quick`` when ``--full``) and replaces the text between the
@@ -8,6 +9,10 @@ benchmarks/bench.png`` (without ``--quick`` when ``--full``) and replaces the te
 the markdown table. One torch thread by default: on a shared 2-core machine, two threads stall
 whenever the other core is busy and the medians swing by 10x; one thread gives stable numbers.
 Nothing is written into README.md when a row is incorrect.
+
+With ``--suite compile-overhead`` it runs ``benchmarks/compile_overhead.py --markdown ...`` instead
+and replaces the text between the ``<!-- torchdi-compile-overhead:start -->`` and ``...:end -->``
+markers.
 """
 
 from __future__ import annotations
@@ -22,22 +27,46 @@ README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results.md"
 PLOT = ROOT / "benchmarks" / "bench.png"
 START, END = "<!-- torchdi-bench:start -->", "<!-- torchdi-bench:end -->"
+SUITES = ("compile-overhead",)  # benchmarks/<suite>.py with a --markdown option and README markers
 
 
-def splice(readme: str, block: str) -> str:
-    """``readme`` with the text between the markers replaced by ``block``."""
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
-    head, rest = readme.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{block.strip()}\n{END}{tail}"
+def splice(readme: str, block: str, start: str = START, end: str = END) -> str:
+    """``readme`` with the text between the markers ``start`` and ``end`` replaced by ``block``."""
+    if start not in readme or end not in readme:
+        raise SystemExit(f"README.md has no {start} ... {end} markers")
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block.strip()}\n{end}{tail}"
+
+
+def update_suite(suite: str, repeats: int) -> int:
+    """Run ``benchmarks/<suite>.py`` and splice its markdown table between the suite's markers."""
+    script = ROOT / "benchmarks" / f"{suite.replace('-', '_')}.py"
+    markdown = ROOT / "benchmarks" / f"results-{suite}.md"
+    command = [sys.executable, str(script), "--repeats", str(repeats), "--markdown", str(markdown)]
+    print("running:", " ".join(command[1:]), file=sys.stderr)
+    done = subprocess.run(command, cwd=ROOT)
+    if done.returncode != 0:
+        print(f"{script.name} exited with status {done.returncode}; README.md left unchanged", file=sys.stderr)
+        return done.returncode
+    body = "\n".join(line for line in markdown.read_text().strip().splitlines() if not line.startswith("### "))
+    shown = f"python benchmarks/{script.name} --repeats {repeats}"
+    block = f"`{shown}` on this project's development machine:\n\n{body.strip()}"
+    start, end = f"<!-- torchdi-{suite}:start -->", f"<!-- torchdi-{suite}:end -->"
+    README.write_text(splice(README.read_text(), block, start, end))
+    print(f"README.md updated from {markdown.relative_to(ROOT)}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the full bench instead of --quick")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above)")
+    parser.add_argument("--suite", choices=SUITES, help="regenerate this suite's table instead of the bench's")
+    parser.add_argument("--repeats", type=int, default=25, help="interleaved repeats of --suite (default 25)")
     args = parser.parse_args(argv)
+    if args.suite:
+        return update_suite(args.suite, args.repeats)
     command = [sys.executable, "-m", "torchdi", "bench", "--threads", str(args.threads),
                "--markdown", str(RESULTS), "--plot", str(PLOT)]
     if not args.full:

@@ -90,7 +90,7 @@ class State(Context[T]):
 
 def context_kinds(contexts: Sequence[Any]) -> tuple[str, ...]:
     """The wrapper of each context by name (``"Constant"``, ``"Cache"`` or ``"State"``)."""
-    return tuple("Cache" if isinstance(c, Cache) else "State" if isinstance(c, State) else "Constant" for c in contexts)
+    return tuple(["Cache" if isinstance(c, Cache) else "State" if isinstance(c, State) else "Constant" for c in contexts])
 
 
 def unwrap_contexts(contexts: Sequence[Any], operator: str, first_position: int) -> tuple[tuple[Any, ...], tuple[bool, ...]]:

@@ -78,9 +78,10 @@ def describe(obj: Any, keep_static: bool = False) -> Any:
         return (type(obj), obj.shape, obj.dtype, obj.device)
     kind = type(obj)
     if kind is dict:
-        return (dict, tuple((key, describe(value, keep_static)) for key, value in obj.items()))
+        # (list comprehensions: a generator costs a frame per call, and this runs on every call)
+        return (dict, tuple([(key, describe(value, keep_static)) for key, value in obj.items()]))
     if kind is tuple or kind is list or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
-        return (kind, tuple(describe(item, keep_static) for item in obj))
+        return (kind, tuple([describe(item, keep_static) for item in obj]))
     if isinstance(obj, (float, complex, np.generic)) and not isinstance(obj, (bool, np.bool_)):
         return (kind,)
     if isinstance(obj, np.ndarray):
@@ -111,7 +112,7 @@ def _context_key(context: Any) -> Any:
 
 def describe_contexts(values: tuple[Any, ...], kinds: tuple[str, ...], keep_static: bool) -> tuple[Any, ...]:
     """One description per context: its wrapper (``context_kinds``) and its value's description."""
-    return tuple((kind, describe(value, keep_static)) for value, kind in zip(values, kinds))
+    return tuple([(kind, describe(value, keep_static)) for value, kind in zip(values, kinds)])
 
 
 def format_description(desc: Any) -> str:
