@@ -23,10 +23,14 @@ class IntoGrad:
     Made by ``into_grad``; see there.
     """
 
-    __slots__ = ("accumulate", "leaves", "spec")
+    __slots__ = ("accumulate", "keys", "leaves", "spec")
 
     def __init__(self, params: Any, accumulate: bool) -> None:
         leaves, self.spec = pytree.tree_flatten(params)
+        # A flat dict (named parameters, the usual case) is matched by its keys, without a
+        # pytree round trip on each step.
+        flat_dict = type(params) is dict and all(isinstance(v, torch.Tensor) for v in params.values())
+        self.keys: tuple[Any, ...] | None = tuple(params) if flat_dict else None
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"into_grad: params must be a pytree of tensors, found a leaf of type {type(leaf).__name__}")
@@ -35,7 +39,10 @@ class IntoGrad:
 
     def write(self, grads: Any, operator: str) -> Any:
         """Store ``grads`` (structured like ``params``) into the ``.grad`` attributes; returns them."""
-        leaves, spec = pytree.tree_flatten(grads)
+        if self.keys is not None and type(grads) is dict and tuple(grads) == self.keys:
+            leaves, spec = list(grads.values()), self.spec
+        else:
+            leaves, spec = pytree.tree_flatten(grads)
         if spec != self.spec:
             raise ValueError(
                 f"{operator}: out=into_grad(params) needs params with the structure of x; got {self.spec} "
@@ -56,6 +63,8 @@ class IntoGrad:
                     current.add_(grad)
                 else:
                     current.copy_(grad)
+        if self.keys is not None:
+            return dict(zip(self.keys, [param.grad for param in self.leaves]))
         return pytree.tree_unflatten([param.grad for param in self.leaves], self.spec)
 
 

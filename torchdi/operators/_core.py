@@ -450,7 +450,9 @@ def _may_hold_inference_tensors(tree: Any) -> bool:
         return any(_may_hold_inference_tensors(item) for item in tree)
     if kind is dict:
         return any(_may_hold_inference_tensors(item) for item in tree.values())
-    return not isinstance(tree, (int, float, complex, str, bytes, type(None), np.ndarray, np.generic))
+    # Anything pytree does not flatten (a module, a scalar, an array) is a leaf that is not a
+    # tensor: nothing to copy. Other containers (OrderedDict, namedtuple, user nodes) are walked.
+    return kind in pytree.SUPPORTED_NODES or isinstance(tree, (tuple, dict))
 
 
 def _without_inference_tensors(tree: Any) -> Any:
