@@ -380,8 +380,8 @@ def test_preparation_functions_are_fresh_code_objects():
     x = torch.ones(2)
     a = td.prepare_gradient(uses_global_float, backend, x)
     b = td.prepare_gradient(uses_global_float, backend, x)
-    assert isinstance(a.runner._entry, types.FunctionType)
-    assert a.runner._entry.__code__ is not b.runner._entry.__code__
+    assert isinstance(a.runner._cache.function, types.FunctionType)
+    assert a.runner._cache.function.__code__ is not b.runner._cache.function.__code__
 
 
 # --- real code: logging, graph breaks, autocast ----------------------------------------------------

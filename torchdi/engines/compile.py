@@ -23,9 +23,7 @@ own business, and everything it compiled is freed with it (rule 9).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import types
 import weakref
 from typing import Any, ClassVar
 
@@ -34,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.engines.base import ALL_FAMILIES
+from torchdi.engines.dynamo_cache import DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner
 from torchdi.translate import copyto_, to_device_tensor
 
@@ -92,22 +91,6 @@ def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
     return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821  (the entry's own global)
 
 
-# Dynamo keeps automatic-dynamic and profile state by (file, line, name) of a code object: a
-# number never reused (unlike id()) keeps a new preparation from inheriting a dead one's.
-_preparation_numbers = itertools.count(1)
-
-
-def _fresh_entry_point(runner: Any, name: str) -> types.FunctionType:
-    """``runner`` behind a function with a code object and globals of its own.
-
-    Dynamo keeps compiled entries (and counts recompilations) per code object, and installs the
-    compiled graphs into the frame's globals: a code object per preparation keeps preparations
-    from sharing a recompile limit, and lets everything they compiled die with them.
-    """
-    code = _entry_template.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
-    return types.FunctionType(code, {"runner": runner, "__builtins__": __builtins__}, name)
-
-
 class _CountingCompiler:
     """A ``torch.compile`` backend that counts the graphs it compiles for one runner, then delegates.
 
@@ -133,23 +116,6 @@ class _CountingCompiler:
 
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ...: the real compiler's
         return getattr(self.compiler, name)
-
-
-def _release(key: int, entry: list[types.FunctionType]) -> None:
-    """Free what dynamo holds for a dropped preparation.
-
-    Dynamo keeps its backend in a module-level cache, and keeps the globals of a compiled frame
-    (where it installs the compiled graphs, next to the runner and so ``f``) alive through a
-    cleanup hook tied to the cache entry on the frame's code object: a cycle through C-level
-    state that the garbage collector cannot see. Emptying the cache and dropping the runner from
-    those globals breaks it (dynamo's own hooks remove the names it installed).
-    """
-    from torch._dynamo import eval_frame
-
-    eval_frame.cached_backends.pop(key, None)
-    if entry:
-        torch._C._dynamo.eval_frame.reset_code(entry[0].__code__)
-        entry[0].__globals__.pop("runner", None)
 
 
 def traced_view(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -185,16 +151,6 @@ def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
     return restore_floats
 
 
-class _FastEntry:
-    """One of dynamo's cache entries for the preparation: its guards and its transformed code."""
-
-    __slots__ = ("check", "code")
-
-    def __init__(self, check: Any, code: Any) -> None:
-        self.check = check
-        self.code = code
-
-
 def _contiguous(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tree)
 
@@ -222,8 +178,7 @@ class CompiledRunner:
         self.translate = True
         self.float_positions: tuple[int, ...] = ()
         self.autocast: dict[str, torch.dtype] = {}
-        self.entries: tuple[_FastEntry, ...] = ()
-        self.fast_path = False
+        self._cache: DynamoCache | None = None
         # The arguments of the call in flight through dynamo, for the recompilation message
         # (only while that call runs: a Prep keeps no user data).
         self._call_in_flight: tuple[Any, Any, Any] | None = None
@@ -232,11 +187,16 @@ class CompiledRunner:
         # (a later replay overwrites them).
         self.owns_buffers = backend.mode == "reduce-overhead"
         self.buffers: tuple[Any, Any, Any] | None = None
-        self._entry: types.FunctionType | None = None
         self._compiled: Any = None
         self._compiler = _CountingCompiler(self, backend)
-        self._entry_holder: list[types.FunctionType] = []  # what the finalizer releases
-        weakref.finalize(self, _release, id(self._compiler), self._entry_holder)
+        self._entry_holder: list[Any] = []  # the entry point, once made: what the finalizer releases
+        weakref.finalize(self, release, id(self._compiler), self._entry_holder)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether calls evaluate dynamo's guards and run its transformed code themselves
+        (``False`` with graph breaks: every call then goes through ``torch.compile``)."""
+        return self._cache is not None and self._cache.fast
 
     # -- compilation -------------------------------------------------------------------------
 
@@ -248,7 +208,10 @@ class CompiledRunner:
             self.num_ops += sum(node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes)
             return
         # Asked only when dynamo does recompile: the newest entry has not been replaced yet.
-        cause = "of a change" if self._call_in_flight is None else self._failed_guard(*self._call_in_flight)
+        cause = "of a change"
+        if self._call_in_flight is not None and self._cache is not None:
+            x, tangents, contexts = self._call_in_flight
+            cause = self._cache.failed_guard({"x": x, "tangents": tangents, "contexts": contexts})
         logger.warning(
             "torchdi: AutoCompile recompiled the %s after preparation (compilation %d) because %s. "
             "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
@@ -264,10 +227,11 @@ class CompiledRunner:
         self.translate = _needs_translation(contexts)
         contexts = translated(contexts)
         inner = _with_floats_restored(self.inner, self.float_positions)
-        self._entry = _fresh_entry_point(inner, f"torchdi_{self.name.split(' ')[0]}_{next(_preparation_numbers)}")
-        self._entry_holder.append(self._entry)
+        entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": inner})
+        self._entry_holder.append(entry)
+        self._cache = DynamoCache(entry)
         self._compiled = torch.compile(
-            self._entry,
+            entry,
             backend=self._compiler,
             fullgraph=self.backend.fullgraph,
             # A preparation fixes shapes: by default (None) specialize them rather than let
@@ -297,7 +261,7 @@ class CompiledRunner:
                 "breaks (preparation then logs how much was captured)."
             ) from error
         self.prepared = True
-        self._refresh_entries()
+        self._cache.refresh()
         if self.num_ops == 0:
             logger.warning(
                 "torchdi: AutoCompile captured no operation of the %s: it runs eagerly (graph breaks "
@@ -314,26 +278,6 @@ class CompiledRunner:
                 self.num_ops,
             )
 
-    def _refresh_entries(self) -> None:
-        """Read dynamo's cache entries for this preparation's code object, newest first.
-
-        The fast path runs an entry's transformed bytecode itself, which is only what dynamo
-        would run when that code calls nothing dynamo must still evaluate: no resume function
-        after a graph break. With graph breaks every call goes through dynamo.
-        """
-        assert self._entry is not None
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._entry.__code__)
-        fast = []
-        for entry in entries:
-            names = entry.code.co_names
-            if any(name.startswith("__resume") for name in names) or sum(name.startswith("__compiled_fn") for name in names) != 1:
-                self.fast_path = False
-                self.entries = ()
-                return
-            fast.append(_FastEntry(entry.guard_manager.check, types.FunctionType(entry.code, self._entry.__globals__)))
-        self.entries = tuple(fast)
-        self.fast_path = bool(fast)
-
     def _through_dynamo(self, x: Any, tangents: Any, contexts: Any) -> Any:
         """Call through ``torch.compile``'s entry point (guards, recompilation if one fails)."""
         if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
@@ -347,23 +291,9 @@ class CompiledRunner:
         finally:
             self._call_in_flight = None
             _forget_float_specializations()
-        if self.num_compilations != before and self.prepared:
-            self._refresh_entries()
+        if self.num_compilations != before and self.prepared and self._cache is not None:
+            self._cache.refresh()
         return result
-
-    def _failed_guard(self, x: Any, tangents: Any, contexts: Any) -> str:
-        """Dynamo's words for why the newest cache entry does not serve these arguments."""
-        assert self._entry is not None
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self._entry.__code__)
-        if not entries:
-            return "dynamo's cache for it was emptied (torch._dynamo.reset())"
-        frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
-        try:
-            info = entries[0].guard_manager.check_verbose(frame_locals)
-            parts = [" ".join(part.split()) for part in info.verbose_code_parts if part.strip()]
-        except Exception:  # a guard that cannot say why: the recompilation still happens
-            parts = []
-        return ("this guard failed: " + "; ".join(parts)) if parts else "one of dynamo's guards failed"
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -383,18 +313,17 @@ class CompiledRunner:
             with torch.no_grad():
                 self.warm_up(x, tangents, contexts)
         x, tangents, contexts = self._arguments(x, tangents, contexts)
-        if self.fast_path and not self.owns_buffers:
-            frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
-            for entry in self.entries:
-                if entry.check(frame_locals):
-                    return entry.code(x, tangents, contexts)
+        cache = self._cache
+        if cache is not None and cache.fast and not self.owns_buffers:
+            transformed = cache.lookup({"x": x, "tangents": tangents, "contexts": contexts})
+            if transformed is not None:
+                return transformed(x, tangents, contexts)
             # Another memory layout of the same values: copy to the compiled one rather than
             # recompile per stride.
             dense = _contiguous((x, tangents, contexts))
-            frame_locals = {"x": dense[0], "tangents": dense[1], "contexts": dense[2]}
-            for entry in self.entries:
-                if entry.check(frame_locals):
-                    return entry.code(*dense)
+            transformed = cache.lookup({"x": dense[0], "tangents": dense[1], "contexts": dense[2]})
+            if transformed is not None:
+                return transformed(*dense)
         return self._finish(self._through_dynamo(x, tangents, contexts))
 
     def _finish(self, result: Any) -> Any:

@@ -1,0 +1,124 @@
+"""Calling a ``torch.compile``d function through dynamo's own cache entries, guards included.
+
+Dynamo keeps, per code object, a list of cache entries: a guard manager (every guard it
+installed while tracing: arguments, globals, closure cells, attributes, helper functions, the
+grad mode and the rest of the global state) and the transformed bytecode it runs when those
+guards pass. Frame evaluation does exactly this: find the first entry whose guards pass, run its
+bytecode, else compile a new entry. ``DynamoCache.lookup`` does the same first step from Python,
+without ``torch.compile``'s per-call wrapper; a miss is the caller's cue to call through
+``torch.compile``, which recompiles where raw ``torch.compile`` would.
+
+The compiled engines (``compile``, ``xla``) give each preparation a code object of its own
+(``fresh_entry_point``): dynamo's cache and recompile limit are then the preparation's own, and
+``release`` frees everything dynamo holds for it when the preparation is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+__all__ = ["DynamoCache", "fresh_entry_point", "release"]
+
+# Dynamo keeps automatic-dynamic and profile state by (file, line, name) of a code object: a
+# number never reused (unlike id()) keeps a new preparation from inheriting a dead one's.
+_preparation_numbers = itertools.count(1)
+
+
+def fresh_entry_point(template: Callable[..., Any], prefix: str, names: dict[str, Any]) -> types.FunctionType:
+    """``template``'s code under a name, file and globals of its own.
+
+    Args:
+        template: a function whose body reads only its arguments and the globals in ``names``.
+        prefix: the start of the new function's name (a preparation number is appended).
+        names: the new function's globals (``__builtins__`` is added).
+
+    Returns:
+        A function dynamo sees as a new code object: its own cache entries, recompile count and
+        globals (where dynamo installs the compiled graphs, so they die with it).
+    """
+    name = f"{prefix}_{next(_preparation_numbers)}"
+    code = cast(types.FunctionType, template).__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
+    return types.FunctionType(code, {**names, "__builtins__": __builtins__}, name)
+
+
+class DynamoCache:
+    """Dynamo's cache entries for one entry point: their guard checks and transformed code.
+
+    Args:
+        function: the entry point passed to ``torch.compile`` (from ``fresh_entry_point``).
+
+    Attributes:
+        entries: ``(guard check, transformed code)`` per cache entry, newest first.
+        fast: whether ``lookup`` may be used. The transformed code of a graph with breaks calls
+            resume functions that only dynamo's frame evaluation compiles: then every call must
+            go through ``torch.compile``.
+    """
+
+    def __init__(self, function: types.FunctionType) -> None:
+        self.function = function
+        self.entries: tuple[tuple[Any, Any], ...] = ()
+        self.fast = False
+
+    def refresh(self) -> None:
+        """Read the current cache entries (after a compilation added one)."""
+        code = self.function.__code__
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        fast = []
+        for entry in entries:
+            names = entry.code.co_names
+            one_graph = sum(name.startswith("__compiled_fn") for name in names) == 1
+            if not one_graph or any(name.startswith("__resume") for name in names):
+                self.entries, self.fast = (), False
+                return
+            transformed = types.FunctionType(entry.code, self.function.__globals__, code.co_name)
+            fast.append((entry.guard_manager.check, transformed))
+        self.entries, self.fast = tuple(fast), bool(fast)
+
+    def lookup(self, frame_locals: dict[str, Any]) -> Any:
+        """The transformed code of the first entry whose guards pass for ``frame_locals`` (the
+        entry point's arguments by name), or ``None``: dynamo would then compile."""
+        for check, transformed in self.entries:
+            if check(frame_locals):
+                return transformed
+        return None
+
+    def failed_guard(self, frame_locals: dict[str, Any]) -> str:
+        """Dynamo's words for why the newest cache entry does not serve ``frame_locals``."""
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.function.__code__)
+        if not entries:
+            return "dynamo's cache for it was emptied (torch._dynamo.reset())"
+        try:
+            info = entries[0].guard_manager.check_verbose(frame_locals)
+            parts = [" ".join(part.split()) for part in info.verbose_code_parts if part.strip()]
+        except Exception:  # a guard that cannot say why: the recompilation still happens
+            parts = []
+        return ("this guard failed: " + "; ".join(parts)) if parts else "one of dynamo's guards failed"
+
+
+def release(backend_key: int, holder: list[types.FunctionType]) -> None:
+    """Free what dynamo holds for a dropped preparation.
+
+    Dynamo keeps its backend in a module-level cache (by ``id``), and keeps the globals of a
+    compiled frame (where it installs the compiled graphs, next to the runner and so ``f``)
+    alive through a cleanup hook tied to the cache entry on the frame's code object: a cycle
+    through C-level state that the garbage collector cannot see. Emptying the cache and dropping
+    the entry point's globals breaks it (dynamo's own hooks remove the names it installed).
+
+    Args:
+        backend_key: ``id`` of the backend object passed to ``torch.compile``.
+        holder: a list holding the entry point, if it was made (filled after the finalizer was
+            registered, so that the finalizer does not keep the preparation alive).
+    """
+    from torch._dynamo import eval_frame
+
+    eval_frame.cached_backends.pop(backend_key, None)
+    if holder:
+        torch._C._dynamo.eval_frame.reset_code(holder[0].__code__)
+        scope = holder[0].__globals__
+        for name in [name for name in scope if not name.startswith("__")]:  # ours, not dynamo's
+            scope.pop(name, None)
