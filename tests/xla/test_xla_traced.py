@@ -104,11 +104,32 @@ def global_loss(x):
     return (x * SCALE).pow(2).sum()
 
 
+def _raw_openxla_compilations(f, change, restore):
+    """How many graphs raw torch.compile(grad(f), backend="openxla") compiles over the same calls."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("openxla")
+    raw = torch.compile(torch.func.grad(f), backend=counter, fullgraph=True)
+    device = torch_xla.device()
+    raw(point(1).to(device))
+    change()
+    try:
+        raw(point(1).to(device))
+    finally:
+        restore()
+    raw(point(1).to(device))
+    return counter.frame_count
+
+
 def test_no_stale_result_when_a_global_changes(caplog):
+    """A changed global recompiles, names the guard in dynamo's words, and going back reuses the
+    first program: as many compilations as raw openxla, and calls run dynamo's transformed code
+    without torch.compile's wrapper (rule 7, as on AutoCompile)."""
     global SCALE
     SCALE = 2.0
     prep = td.prepare_gradient(global_loss, XLA, point(0))
     torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 8 * point(1))
+    assert prep.lean_runner.cache.fast and len(prep.lean_runner.cache.entries) == 1
     compiled = prep.num_compilations
     SCALE = 3.0
     try:
@@ -116,8 +137,41 @@ def test_no_stale_result_when_a_global_changes(caplog):
             torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 18 * point(1))
     finally:
         SCALE = 2.0
+    torch.testing.assert_close(td.gradient(global_loss, XLA, point(1), prep=prep), 8 * point(1))
     assert prep.num_compilations == compiled + 1
-    assert "recompiled" in caplog.text
+    assert "recompiled" in caplog.text and "this guard failed" in caplog.text and "SCALE" in caplog.text
+
+    def change():
+        global SCALE
+        SCALE = 3.0
+
+    def restore():
+        global SCALE
+        SCALE = 2.0
+
+    assert _raw_openxla_compilations(global_loss, change, restore) == 2  # the same +1
+
+
+def test_no_stale_result_when_a_closure_cell_or_an_attribute_changes():
+    class Config:
+        k = 2.0
+
+    config = Config()
+    power = 2
+
+    def loss(x):
+        return (x * config.k).pow(power).sum()
+
+    prep = td.prepare_gradient(loss, XLA, point(0))
+    torch.testing.assert_close(td.gradient(loss, XLA, point(1), prep=prep), td.gradient(loss, REFERENCE, point(1)))
+    config.k = 5.0
+    torch.testing.assert_close(td.gradient(loss, XLA, point(1), prep=prep), td.gradient(loss, REFERENCE, point(1)))
+    power = 3
+    torch.testing.assert_close(td.gradient(loss, XLA, point(1), prep=prep), td.gradient(loss, REFERENCE, point(1)))
+    compiled = prep.num_compilations
+    for _ in range(3):  # settled: no more compilations
+        td.gradient(loss, XLA, point(2), prep=prep)
+    assert prep.num_compilations == compiled
 
 
 def test_autocast_is_refused_clearly():

@@ -43,7 +43,11 @@ def fresh_entry_point(template: Callable[..., Any], prefix: str, names: dict[str
     """
     name = f"{prefix}_{next(_preparation_numbers)}"
     code = cast(types.FunctionType, template).__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
-    return types.FunctionType(code, {**names, "__builtins__": __builtins__}, name)
+    # __name__: the template's module. Dynamo (torch 2.9) resolves the frame's module through
+    # sys.modules and silently caches nothing on a frame whose module it cannot find.
+    module = cast(types.FunctionType, template).__module__
+    scope = {**names, "__builtins__": __builtins__, "__name__": module, "__torchdi_names__": tuple(names)}
+    return types.FunctionType(code, scope, name)
 
 
 class DynamoCache:
@@ -120,5 +124,5 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
     if holder:
         torch._C._dynamo.eval_frame.reset_code(holder[0].__code__)
         scope = holder[0].__globals__
-        for name in [name for name in scope if not name.startswith("__")]:  # ours, not dynamo's
+        for name in scope.get("__torchdi_names__", ()):  # ours: dynamo's hooks remove its own
             scope.pop(name, None)

@@ -2,10 +2,12 @@
 
 Preparation compiles ``torch.compile(runner, backend="openxla")``: dynamo captures the runner
 (the same one ``AutoCompile`` compiles) in one graph, torch-xla lowers it to an XLA program
-once, and every later call only runs the cached program (``_run_cached_graph``). Every call goes
-through ``torch.compile``'s entry point, so dynamo checks all of its guards (globals, closure
-cells, attributes, grad mode): a failed guard recompiles, is counted and logged, and a result
-is never stale.
+once, and every later call only runs the cached program (``_run_cached_graph``). Calls are as
+sound as raw ``torch.compile`` (rule 7), as on ``AutoCompile`` (``dynamo_cache``): each call
+evaluates dynamo's guards for the preparation's cache entries (globals, closure cells,
+attributes, grad mode ...) and runs dynamo's transformed code for the entry whose guards pass,
+without ``torch.compile``'s per-call wrapper; a failed guard recompiles through
+``torch.compile``, is counted and logged with the guard that failed, and a result is never stale.
 
 What is traced follows ``AutoCompile``'s one rule: each leaf of ``x``, the tangents and the
 contexts goes through ``translate_contexts``/``to_device_tensor``; tensors are graph inputs
@@ -36,7 +38,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import types
 import weakref
 from typing import Any, ClassVar, cast
 
@@ -46,11 +47,16 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoXLA
 from torchdi.engines.base import ALL_FAMILIES
+from torchdi.engines.dynamo_cache import DynamoCache, fresh_entry_point, release
 from torchdi.translate import to_device_tensor, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
 logger = logging.getLogger("torchdi")
+
+# A preparation's dynamo cache is its own: a correct recompilation (a guard failed) must not hit
+# dynamo's per-code limit of 8 and crash under fullgraph=True.
+RECOMPILE_LIMIT = 1024
 
 
 @functools.cache
@@ -144,12 +150,16 @@ class _CountingOpenXLA:
         if owner is not None:
             owner.num_compilations += 1
             if owner.prepared:
+                # Asked only when dynamo does recompile: the newest entry has not been replaced yet.
+                cause = "of a change"
+                if owner.call_in_flight is not None and owner.cache is not None:
+                    cause = owner.cache.failed_guard({"leaves": owner.call_in_flight})
                 logger.warning(
-                    "torchdi: AutoXLA recompiled %s after preparation (compilation %d): a guard of "
-                    "torch.compile failed (a global or closure value read by f, a static argument, "
-                    "a module attribute or the grad mode changed).",
+                    "torchdi: AutoXLA recompiled the %s after preparation (compilation %d) because %s. "
+                    "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
                     owner.name,
                     owner.num_compilations,
+                    cause,
                 )
         return compiled
 
@@ -176,20 +186,6 @@ class _ExtractOnCopies:
             self.extracted = True
             args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         return self.compiled(args)
-
-
-def _fresh_entry_point(entry: Any, name: str) -> Any:
-    """``entry`` as a function with a code object of its own (no source is generated).
-
-    Dynamo keeps compiled entries and its recompile limit per code object, and automatic-dynamic
-    state per (file, line, name): each preparation gets its own, so preparations neither share
-    a cache nor count against each other's limit.
-    """
-    code = entry.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<{name}>")
-    return types.FunctionType(code, entry.__globals__, name, entry.__defaults__, entry.__closure__)
-
-
-_entry_points = 0
 
 
 class _FunctorchSafePooling(TorchFunctionMode):
@@ -223,20 +219,27 @@ _POOLING_OPS = {
 }
 
 
+def _entry_template(*leaves: Any) -> Any:
+    """The runner on the unflattened arguments, 0-d leaves viewed from shape (1,): the body of
+    each preparation's entry point, whose globals (``fresh_entry_point``) are its own."""
+    items = list(leaves)
+    for slot in scalar_slots:  # type: ignore[name-defined]  # noqa: F821  (the entry's own globals)
+        items[slot] = items[slot].view(())
+    x, tangents, contexts = tree_unflatten(items, spec)  # type: ignore[name-defined]  # noqa: F821
+    with functorch_safe_pooling():  # type: ignore[name-defined]  # noqa: F821
+        return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821
+
+
 def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...]) -> Any:
-    """``entry(*leaves)``: the runner on the unflattened arguments, 0-d leaves viewed from (1,)."""
-
-    def entry(*leaves: Any) -> Any:
-        items = list(leaves)
-        for slot in scalar_slots:
-            items[slot] = items[slot].view(())
-        x, tangents, contexts = pytree.tree_unflatten(items, spec)
-        with _FunctorchSafePooling():
-            return runner(x, tangents, contexts)
-
-    global _entry_points
-    _entry_points += 1
-    return _fresh_entry_point(entry, f"torchdi_xla_runner_{_entry_points}")
+    """``entry(*leaves)`` for one preparation: a code object and globals of its own."""
+    names = {
+        "runner": runner,
+        "spec": spec,
+        "scalar_slots": scalar_slots,
+        "tree_unflatten": pytree.tree_unflatten,
+        "functorch_safe_pooling": _FunctorchSafePooling,
+    }
+    return fresh_entry_point(_entry_template, "torchdi_xla_runner", names)
 
 
 class _ModuleReplica:
@@ -326,11 +329,18 @@ class XLARunner:
         self.replicas: dict[int, _ModuleReplica] = {}
         self.scalar_slots: tuple[int, ...] = ()
         self._compiled: Any = None
+        self.cache: DynamoCache | None = None
+        # The leaves of the call in flight through dynamo, for the recompilation message (only
+        # while that call runs: a Prep keeps no user data).
+        self.call_in_flight: tuple[Any, ...] | None = None
         self._spec: pytree.TreeSpec | None = None
         self.translate = True
         self.n_x_leaves = 1
         self.zero_copy = False
         self._from_dlpack: Any = None
+        self._compiler = _CountingOpenXLA(self)
+        self._entry_holder: list[Any] = []  # the entry point, once made: what the finalizer releases
+        weakref.finalize(self, release, id(self._compiler), self._entry_holder)
 
     @property
     def path(self) -> str:
@@ -366,16 +376,15 @@ class XLARunner:
 
             self.zero_copy = xr.device_type() == "CPU" and self.device.type == "xla"
             self._from_dlpack = xla_dlpack.from_dlpack
-        self._compiled = torch.compile(
-            _graph_entry(self.runner, spec, self.scalar_slots),
-            backend=_CountingOpenXLA(self),
-            fullgraph=True,
-            dynamic=False,  # a preparation fixes shapes
-        )
+        entry = _graph_entry(self.runner, spec, self.scalar_slots)
+        self._entry_holder.append(entry)
+        self.cache = DynamoCache(entry)
+        self._compiled = torch.compile(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
         try:
             self(x, tangents, contexts)
         except Exception as error:  # dynamo cannot capture it, or the bridge cannot lower it
             self._compiled = None
+            self.cache = None
             self.num_compilations = 0
             self.random = False
             reason = " ".join(str(error).strip().splitlines()[:2])[:300]
@@ -388,13 +397,17 @@ class XLARunner:
             )
             self(x, tangents, contexts)  # the lazy path; a genuine error in f surfaces here
         self.prepared = True
+        if self.cache is not None:
+            self.cache.refresh()
 
     def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], bool]:
         """The flat leaves on the device (0-d ones as shape (1,)), and whether ``x`` lived there."""
         if self.translate:
             contexts = translate_contexts(contexts, None, x)
-        leaves = pytree.tree_leaves((x, tangents, contexts))
-        x_on_device = all(_is_xla(leaf) for leaf in leaves[: self.n_x_leaves])  # x's leaves come first
+        leaves: list[Any] = []
+        _append_leaves((x, tangents, contexts), leaves)
+        x_on_device = True
+        n_x_leaves = self.n_x_leaves  # x's leaves come first
         buffers = self.buffers
         scalar = self.scalar_slots
         moved: list[Any] = []
@@ -403,6 +416,8 @@ class XLARunner:
                 if leaf.device.type == "xla":
                     moved.append(leaf)
                     continue
+                if i < n_x_leaves:
+                    x_on_device = False
                 if i in scalar:
                     leaf = leaf.reshape(1)
                 if self.zero_copy and leaf.device.type == "cpu" and leaf.data_ptr() % 64 == 0 and leaf.is_contiguous():
@@ -425,12 +440,31 @@ class XLARunner:
                 import torch_xla.core.xla_model as xm
 
                 xm.set_rng_state(int(torch.randint(0, 2**62, (), dtype=torch.int64)), str(self.device))
-            result = self._compiled(*leaves)
+            result = self._run_compiled(tuple(leaves))
         else:
             result = self._lazy(leaves)
         if x_on_device:
             return result
         return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, result)
+
+    def _run_compiled(self, leaves: tuple[Any, ...]) -> Any:
+        """Dynamo's transformed code for the cache entry whose guards pass (as ``AutoCompile``
+        does, rule 7), else a call through ``torch.compile``, which recompiles."""
+        cache = self.cache
+        if cache is not None and cache.fast:
+            transformed = cache.lookup({"leaves": leaves})
+            if transformed is not None:
+                return transformed(*leaves)
+        before = self.num_compilations
+        self.call_in_flight = leaves
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+                result = self._compiled(*leaves)
+        finally:
+            self.call_in_flight = None
+        if self.num_compilations != before and self.prepared and cache is not None:
+            cache.refresh()
+        return result
 
     def _lazy(self, leaves: list[Any]) -> Any:
         """The fallback: trace with lazy tensors, materialize only this call's outputs."""
@@ -449,6 +483,22 @@ class XLARunner:
         torch_xla._XLAC._xla_sync_multi(outputs, devices=[], wait=True)  # this call's outputs only
         self.num_compilations += _uncached_compiles() - before
         return result
+
+
+def _append_leaves(tree: Any, leaves: list[Any]) -> None:
+    """``pytree.tree_leaves(tree)``, appended to ``leaves``; plain tuples, lists and dicts are
+    walked here (a fifth of the time of the generic walk, on every call)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _append_leaves(item, leaves)
+    elif kind is dict:
+        for item in tree.values():  # pytree's order: the dict's own
+            _append_leaves(item, leaves)
+    elif kind in pytree.SUPPORTED_NODES or isinstance(tree, (tuple, dict)):  # namedtuple, OrderedDict ...
+        leaves.extend(pytree.tree_leaves(tree))
+    else:
+        leaves.append(tree)
 
 
 class XLAEngine:

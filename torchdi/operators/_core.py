@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
