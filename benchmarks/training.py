@@ -13,6 +13,9 @@ of interleaved repeats (each repeat times a block of steps of every contender in
 rotating order), and the ratio to ``torch.compile``, all from the same run. A contender that
 fails says why in its row. Workloads whose package is missing are skipped, saying so.
 
+First steps compile with an empty inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``) unless
+``--warm-cache`` is given.
+
 Run: ``python benchmarks/training.py [--repeats N] [--steps K] [--threads T] [--markdown FILE]``
 or ``python -m torchdi bench --suite training``.
 """
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -231,8 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep inductor's on-disk cache (default: a fresh one, so first steps compile from scratch)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.warm_cache:
+        # A graph compiled by an earlier run (or an earlier contender) would load from inductor's
+        # cache in a second and make first-step times meaningless: every run starts cold.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchdi-training-inductor-")
+    # Inductor's one-time start-up (imports, its C++ toolchain check and headers) is paid here,
+    # not by whichever contender happens to compile first.
+    torch.compile(lambda t: (t * 2).sum())(torch.ones(4, requires_grad=True)).backward()
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for name in args.workloads.split(","):

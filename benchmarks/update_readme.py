@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/update_readme.py [--full] [--threads N]
     .venv/bin/python benchmarks/update_readme.py --suite compile-overhead [--repeats N]
+    .venv/bin/python benchmarks/update_readme.py --suite training [--repeats N]
 
 Runs ``python -m torchdi bench --quick --threads 1 --markdown benchmarks/results.md --plot
 benchmarks/bench.png`` (without ``--quick`` when ``--full``) and replaces the text between the
@@ -10,9 +11,9 @@ the markdown table. One torch thread by default: on a shared 2-core machine, two
 whenever the other core is busy and the medians swing by 10x; one thread gives stable numbers.
 Nothing is written into README.md when a row is incorrect.
 
-With ``--suite compile-overhead`` it runs ``benchmarks/compile_overhead.py --markdown ...`` instead
-and replaces the text between the ``<!-- torchdi-compile-overhead:start -->`` and ``...:end -->``
-markers.
+With ``--suite compile-overhead`` (or ``training``) it runs ``benchmarks/compile_overhead.py
+--markdown ...`` (``training.py``) instead and replaces the text between the
+``<!-- torchdi-compile-overhead:start -->`` and ``...:end -->`` markers (``torchdi-training``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results.md"
 PLOT = ROOT / "benchmarks" / "bench.png"
 START, END = "<!-- torchdi-bench:start -->", "<!-- torchdi-bench:end -->"
-SUITES = ("compile-overhead",)  # benchmarks/<suite>.py with a --markdown option and README markers
+SUITES = ("compile-overhead", "training")  # benchmarks/<suite>.py with a --markdown option and README markers
 
 
 def splice(readme: str, block: str, start: str = START, end: str = END) -> str:
