@@ -229,6 +229,14 @@ def test_a_dropped_prep_frees_its_runner_and_keeps_f_unreferenced():
     prep = td.prepare_gradient(f, XLA, point(0), td.Constant(0.5))
     torch.testing.assert_close(td.gradient(f, XLA, point(1), td.Constant(0.5), prep=prep), 0.5 * point(1))
     refs = weakref.ref(f), weakref.ref(prep.runner), weakref.ref(prep.lean_runner)
+    backends = [id(prep.runner._compiler), id(prep.lean_runner._compiler)]
+    codes = [prep.runner.cache.function.__code__, prep.lean_runner.cache.function.__code__]
+    assert all(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) for code in codes)
     del prep, f
     gc.collect()
     assert all(ref() is None for ref in refs)
+    # dynamo's backend cache and the entry points' compiled entries went with it (rule 9)
+    from torch._dynamo import eval_frame
+
+    assert not any(key in eval_frame.cached_backends for key in backends)
+    assert not any(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) for code in codes)
