@@ -101,7 +101,8 @@ def _uncached_compiles() -> int:
 
 
 def _is_xla(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_xla  # (t.device.type costs 8x more on XLA tensors)
+    # (t.device.type costs 8x more on XLA tensors; is_xla is missing from torch's type stubs)
+    return isinstance(t, torch.Tensor) and bool(t.is_xla)  # type: ignore[attr-defined]
 
 
 def _refuse_autocast(name: str) -> None:
@@ -413,7 +414,7 @@ class XLARunner:
         moved: list[Any] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                if leaf.is_xla:
+                if leaf.is_xla:  # type: ignore[attr-defined]
                     moved.append(leaf)
                     continue
                 if i < n_x_leaves:
