@@ -40,14 +40,14 @@ class IntoGrad:
     def write(self, grads: Any, operator: str) -> Any:
         """Store ``grads`` (structured like ``params``) into the ``.grad`` attributes; returns them."""
         if self.keys is not None and type(grads) is dict and tuple(grads) == self.keys:
-            leaves, spec = list(grads.values()), self.spec
+            leaves = list(grads.values())  # the same keys in the same order: the same structure
         else:
             leaves, spec = pytree.tree_flatten(grads)
-        if spec != self.spec:
-            raise ValueError(
-                f"{operator}: out=into_grad(params) needs params with the structure of x; got {self.spec} "
-                f"for params and {spec} for the gradient"
-            )
+            if spec != self.spec:
+                raise ValueError(
+                    f"{operator}: out=into_grad(params) needs params with the structure of x; got {self.spec} "
+                    f"for params and {spec} for the gradient"
+                )
         with torch.no_grad():
             for param, grad in zip(self.leaves, leaves):
                 if grad.shape != param.shape:

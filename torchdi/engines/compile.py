@@ -32,19 +32,13 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import DynamoCache, fresh_entry_point, release
+from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner
 from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["CompileEngine", "CompiledRunner", "float_positions", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
-
-# A preparation recompiles only when a guard fails (a static value, a global, the grad mode...).
-# Its cache is its own, so dynamo's per-code limit (8) would only turn a correct recompilation
-# into a crash (fullgraph=True) or a silent fall back to eager (fullgraph=False).
-RECOMPILE_LIMIT = 1024
-
 
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once", "info_once")
 
@@ -65,8 +59,7 @@ def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
         "capture_scalar_outputs": True,
-        "recompile_limit": RECOMPILE_LIMIT,
-        "accumulated_recompile_limit": RECOMPILE_LIMIT,
+        **RECOMPILE_LIMITS,
         logging_knob: set(getattr(config, logging_knob)) | _logging_calls(),
     }
     return config.patch(settings)

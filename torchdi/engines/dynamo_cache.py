@@ -22,7 +22,13 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["DynamoCache", "fresh_entry_point", "release"]
+__all__ = ["RECOMPILE_LIMITS", "DynamoCache", "fresh_entry_point", "release"]
+
+# A preparation recompiles only when a guard fails (a static value, a global, the grad mode...).
+# Its cache is its own, so dynamo's per-code limit (8) would only turn a correct recompilation
+# into a crash (fullgraph=True) or a silent fall back to eager (fullgraph=False). The dynamo
+# settings every call through ``torch.compile`` of a preparation's entry point runs under:
+RECOMPILE_LIMITS = {"recompile_limit": 1024, "accumulated_recompile_limit": 1024}
 
 # Dynamo keeps automatic-dynamic and profile state by (file, line, name) of a code object: a
 # number never reused (unlike id()) keeps a new preparation from inheriting a dead one's.
@@ -41,12 +47,12 @@ def fresh_entry_point(template: Callable[..., Any], prefix: str, names: dict[str
         A function dynamo sees as a new code object: its own cache entries, recompile count and
         globals (where dynamo installs the compiled graphs, so they die with it).
     """
+    function = cast(types.FunctionType, template)
     name = f"{prefix}_{next(_preparation_numbers)}"
-    code = cast(types.FunctionType, template).__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
+    code = function.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
     # __name__: the template's module. Dynamo (torch 2.9) resolves the frame's module through
     # sys.modules and silently caches nothing on a frame whose module it cannot find.
-    module = cast(types.FunctionType, template).__module__
-    scope = {**names, "__builtins__": __builtins__, "__name__": module, "__torchdi_names__": tuple(names)}
+    scope = {**names, "__builtins__": __builtins__, "__name__": function.__module__, "__torchdi_names__": tuple(names)}
     return types.FunctionType(code, scope, name)
 
 

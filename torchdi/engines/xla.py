@@ -47,16 +47,12 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoXLA
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import DynamoCache, fresh_entry_point, release
+from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.translate import to_device_tensor, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
 logger = logging.getLogger("torchdi")
-
-# A preparation's dynamo cache is its own: a correct recompilation (a guard failed) must not hit
-# dynamo's per-code limit of 8 and crash under fullgraph=True.
-RECOMPILE_LIMIT = 1024
 
 
 @functools.cache
@@ -459,7 +455,7 @@ class XLARunner:
         before = self.num_compilations
         self.call_in_flight = leaves
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(RECOMPILE_LIMITS):
                 result = self._compiled(*leaves)
         finally:
             self.call_in_flight = None
