@@ -405,10 +405,15 @@ def test_item12_inductor_second_derivative_with_tensor_constant_does_not_crash()
         "f = lambda t, a: torch.sin(t * a)\n"
         "prep = td.prepare_second_derivative(f, td.AutoCompile(), torch.tensor(1.0), td.Constant(torch.tensor(2.0)))\n"
         "print(td.second_derivative(f, td.AutoCompile(), torch.tensor(0.5), td.Constant(torch.tensor(3.0)), prep=prep).item())\n"
+        # The generic second derivative: a compiled outer jvp over AutoFunc's inner derivative.
+        "composed = td.SecondOrder(td.AutoCompile(), td.AutoFunc())\n"
+        "print(td.second_derivative(f, composed, torch.tensor(0.5), td.Constant(torch.tensor(3.0))).item())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) == pytest.approx(-9.0 * math.sin(1.5), rel=1e-5)
+    own, composed = (float(word) for word in done.stdout.split()[-2:])
+    assert own == pytest.approx(-9.0 * math.sin(1.5), rel=1e-5)
+    assert composed == pytest.approx(-9.0 * math.sin(1.5), rel=1e-5)
 
 
 # --- item 13: one naming of arguments in every message --------------------------------------------

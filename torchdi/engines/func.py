@@ -30,6 +30,32 @@ def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[
     return cast(tuple[Any, Any], jvp(fn, primals, tangents))
 
 
+def _jvp_through_contexts(f: Any, x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``jvp`` of ``x -> f(x, contexts)`` along ``tx``, with the contexts' floating tensors as
+    primals whose tangents are explicit zeros.
+
+    Closed over by nested jvps, a context tensor gets an "efficient zero" tangent, which inductor
+    reuses as an output buffer and writes into: a segfault (``sin(t * a)`` with a tensor Constant
+    ``a``, differentiated twice in forward mode). Explicit zeros cost one zero tangent per
+    context tensor, so only runners nested in forward mode take this path.
+    """
+    leaves, context_spec = pytree.tree_flatten(contexts)
+    positions = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+    ]
+    if not positions:
+        return _jvp(lambda x_: f(x_, contexts), (x,), (tx,))
+
+    def with_contexts(x_: Any, *tensors: torch.Tensor) -> Any:
+        inner = list(leaves)
+        for i, tensor in zip(positions, tensors):
+            inner[i] = tensor
+        return f(x_, pytree.tree_unflatten(inner, context_spec))
+
+    tensors = tuple(leaves[i] for i in positions)
+    return _jvp(with_contexts, (x, *tensors), (tx, *(torch.zeros_like(t) for t in tensors)))
+
+
 def _first(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t[0], tree)
 
@@ -102,7 +128,10 @@ class FuncEngine:
 
     def _derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
+            if spec.inside_forward_mode:  # the inner derivative of a second derivative
+                y, dy = _jvp_through_contexts(f, x, torch.ones_like(x), contexts)
+            else:
+                y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),))
             return y, _like_primal(dy, y)
 
         return run
@@ -110,25 +139,12 @@ class FuncEngine:
     def _second_derivative(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             one = torch.ones_like(x)
-            # Context tensors enter both jvps as primals with explicit zero tangents. Closed over,
-            # their tangents are "efficient zero" tensors, which inductor reuses as an output
-            # buffer and writes into: a segfault for sin(t * a) with a tensor Constant a.
-            leaves, context_spec = pytree.tree_flatten(contexts)
-            positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
-            tensors = tuple(leaves[i] for i in positions)
-            zeros = tuple(torch.zeros_like(t) for t in tensors)
 
-            def with_contexts(x_: torch.Tensor, *tensors_: torch.Tensor) -> Any:
-                inner = list(leaves)
-                for i, tensor in zip(positions, tensors_):
-                    inner[i] = tensor
-                return f(x_, pytree.tree_unflatten(inner, context_spec))
-
-            def value_and_derivative(x_: torch.Tensor, *tensors_: torch.Tensor) -> tuple[Any, Any]:
-                y_, dy_ = _jvp(with_contexts, (x_, *tensors_), (one, *zeros))
+            def value_and_derivative(x_: torch.Tensor, contexts_: tuple[Any, ...]) -> tuple[Any, Any]:
+                y_, dy_ = _jvp_through_contexts(f, x_, one, contexts_)
                 return y_, _like_primal(dy_, y_)
 
-            (y, dy), (_, d2y) = _jvp(value_and_derivative, (x, *tensors), (one, *zeros))
+            (y, dy), (_, d2y) = _jvp_through_contexts(value_and_derivative, x, one, contexts)
             return y, dy, _like_primal(d2y, y)
 
         return run

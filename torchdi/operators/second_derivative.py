@@ -57,7 +57,7 @@ def second_derivative(
 def second_derivative_from_derivatives(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
     """Generic second derivative: ``outer``'s pushforward of the tangent 1 through ``inner``'s derivative."""
     outer, inner = outer_inner(backend)
-    inner_derivative = build_runner(inner, "derivative", f, spec)
+    inner_derivative = build_runner(inner, "derivative", f, replace_spec(spec, inside_forward_mode=True))
 
     def value_and_derivative(x: Any, contexts: tuple[Any, ...]) -> Any:
         return inner_derivative(x, None, contexts)
