@@ -22,7 +22,6 @@ own business, and everything it compiled is freed with it (rule 9).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Any, ClassVar
@@ -48,7 +47,7 @@ def _logging_calls() -> set[Any]:
     return {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
 
 
-def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
+def _dynamo_settings() -> dict[str, Any]:
     """The dynamo settings every compilation of a preparation runs under."""
     config = torch._dynamo.config
     # A logging call is a graph break in dynamo, and real model code logs (transformers' losses
@@ -62,7 +61,7 @@ def _dynamo_config() -> contextlib.AbstractContextManager[Any]:
         **RECOMPILE_LIMITS,
         logging_knob: set(getattr(config, logging_knob)) | _logging_calls(),
     }
-    return config.patch(settings)
+    return settings
 
 
 def _forget_float_specializations() -> None:
@@ -172,9 +171,6 @@ class CompiledRunner:
         self.float_positions: tuple[int, ...] = ()
         self.autocast: dict[str, torch.dtype] = {}
         self._cache: DynamoCache | None = None
-        # The arguments of the call in flight through dynamo, for the recompilation message
-        # (only while that call runs: a Prep keeps no user data).
-        self._call_in_flight: tuple[Any, Any, Any] | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
         # static input buffers, filled in place each call, and clones the outputs it returns
         # (a later replay overwrites them).
@@ -200,11 +196,7 @@ class CompiledRunner:
             self.num_graphs += 1
             self.num_ops += sum(node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes)
             return
-        # Asked only when dynamo does recompile: the newest entry has not been replaced yet.
-        cause = "of a change"
-        if self._call_in_flight is not None and self._cache is not None:
-            x, tangents, contexts = self._call_in_flight
-            cause = self._cache.failed_guard({"x": x, "tangents": tangents, "contexts": contexts})
+        cause = self._cache.recompile_cause() if self._cache is not None else "of a change"
         logger.warning(
             "torchdi: AutoCompile recompiled the %s after preparation (compilation %d) because %s. "
             "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
@@ -273,20 +265,15 @@ class CompiledRunner:
 
     def _through_dynamo(self, x: Any, tangents: Any, contexts: Any) -> Any:
         """Call through ``torch.compile``'s entry point (guards, recompilation if one fails)."""
+        assert self._cache is not None  # made by warm_up, before the first call
         if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()
-        before = self.num_compilations
-        self._call_in_flight = (x, tangents, contexts)
         _forget_float_specializations()
         try:
-            with _dynamo_config():
-                result = self._compiled(x, tangents, contexts)
+            arguments = (x, tangents, contexts)
+            return self._cache.call(self._compiled, arguments, dict(zip(("x", "tangents", "contexts"), arguments)), _dynamo_settings())
         finally:
-            self._call_in_flight = None
             _forget_float_specializations()
-        if self.num_compilations != before and self.prepared and self._cache is not None:
-            self._cache.refresh()
-        return result
 
     # -- calls ---------------------------------------------------------------------------------
 

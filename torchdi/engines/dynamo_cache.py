@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -67,12 +67,15 @@ class DynamoCache:
         fast: whether ``lookup`` may be used. The transformed code of a graph with breaks calls
             resume functions that only dynamo's frame evaluation compiles: then every call must
             go through ``torch.compile``.
+        in_flight: the arguments by name of the call now going through ``call`` (``None``
+            between calls: a preparation keeps no user data), for ``recompile_cause``.
     """
 
     def __init__(self, function: types.FunctionType) -> None:
         self.function = function
         self.entries: tuple[tuple[Any, Any], ...] = ()
         self.fast = False
+        self.in_flight: dict[str, Any] | None = None
 
     def refresh(self) -> None:
         """Read the current cache entries (after a compilation added one)."""
@@ -96,6 +99,44 @@ class DynamoCache:
             if check(frame_locals):
                 return transformed
         return None
+
+    def call(
+        self, compiled: Callable[..., Any], args: tuple[Any, ...], frame_locals: dict[str, Any], settings: Mapping[str, Any]
+    ) -> Any:
+        """Call ``compiled`` (``torch.compile`` of the entry point) through dynamo's frame
+        evaluation: its guards, and a recompilation where none of its entries' pass.
+
+        Args:
+            compiled: what ``torch.compile(entry point)`` returned.
+            args: its arguments.
+            frame_locals: the same arguments as the entry point's frame names them (what its
+                guards read); ``recompile_cause`` reads them while the call runs.
+            settings: ``torch._dynamo.config`` values the call runs under.
+
+        Returns:
+            The entry point's result. The entries are read again when the call compiled one.
+        """
+        before = self._transformed_codes()
+        self.in_flight = frame_locals
+        try:
+            with torch._dynamo.config.patch(dict(settings)):
+                result = compiled(*args)
+        finally:
+            self.in_flight = None
+        if self._transformed_codes() != before:
+            self.refresh()
+        return result
+
+    def _transformed_codes(self) -> tuple[types.CodeType, ...]:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.function.__code__)
+        return tuple(entry.code for entry in entries)
+
+    def recompile_cause(self) -> str:
+        """Why the call in flight recompiles, in dynamo's words (asked from the compiler, before
+        the new entry exists)."""
+        if self.in_flight is None:
+            return "of a change"
+        return self.failed_guard(self.in_flight)
 
     def failed_guard(self, frame_locals: dict[str, Any]) -> str:
         """Dynamo's words for why the newest cache entry does not serve ``frame_locals``."""

@@ -147,10 +147,7 @@ class _CountingOpenXLA:
         if owner is not None:
             owner.num_compilations += 1
             if owner.prepared:
-                # Asked only when dynamo does recompile: the newest entry has not been replaced yet.
-                cause = "of a change"
-                if owner.call_in_flight is not None and owner.cache is not None:
-                    cause = owner.cache.failed_guard({"leaves": owner.call_in_flight})
+                cause = owner.cache.recompile_cause() if owner.cache is not None else "of a change"
                 logger.warning(
                     "torchdi: AutoXLA recompiled the %s after preparation (compilation %d) because %s. "
                     "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
@@ -327,9 +324,6 @@ class XLARunner:
         self.scalar_slots: tuple[int, ...] = ()
         self._compiled: Any = None
         self.cache: DynamoCache | None = None
-        # The leaves of the call in flight through dynamo, for the recompilation message (only
-        # while that call runs: a Prep keeps no user data).
-        self.call_in_flight: tuple[Any, ...] | None = None
         self._spec: pytree.TreeSpec | None = None
         self.translate = True
         self.n_x_leaves = 1
@@ -448,20 +442,12 @@ class XLARunner:
         """Dynamo's transformed code for the cache entry whose guards pass (as ``AutoCompile``
         does, rule 7), else a call through ``torch.compile``, which recompiles."""
         cache = self.cache
-        if cache is not None and cache.fast:
+        assert cache is not None  # made with self._compiled
+        if cache.fast:
             transformed = cache.lookup({"leaves": leaves})
             if transformed is not None:
                 return transformed(*leaves)
-        before = self.num_compilations
-        self.call_in_flight = leaves
-        try:
-            with torch._dynamo.config.patch(RECOMPILE_LIMITS):
-                result = self._compiled(*leaves)
-        finally:
-            self.call_in_flight = None
-        if self.num_compilations != before and self.prepared and cache is not None:
-            cache.refresh()
-        return result
+        return cache.call(self._compiled, leaves, {"leaves": leaves}, RECOMPILE_LIMITS)
 
     def _lazy(self, leaves: list[Any]) -> Any:
         """The fallback: trace with lazy tensors, materialize only this call's outputs."""
