@@ -5,6 +5,8 @@ same synthetic batches:
 
 - ``eager``: ``loss = loss_fn(model(x)); loss.backward(); optimizer.step()``
 - ``torch.compile``: the same loop with ``model = torch.compile(model)`` (inductor)
+- ``torch.compile(model+loss)``: the same loop with the whole loss, ``loss_fn(model(x))``, compiled:
+  what torchdi compiles, as the function ``f`` holds the loss
 - ``torchdi <backend>``: ``td.value_and_gradient(..., prep=prep, out=td.into_grad(params))``
   then ``optimizer.step()``, module buffers passed as ``td.State`` where the model has any
 
@@ -13,8 +15,11 @@ of interleaved repeats (each repeat times a block of steps of every contender in
 rotating order), and the ratio to ``torch.compile``, all from the same run. A contender that
 fails says why in its row. Workloads whose package is missing are skipped, saying so.
 
-First steps compile with an empty inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``) unless
-``--warm-cache`` is given.
+Each first step is timed in a Python process of its own, with an empty inductor cache (a fresh
+``TORCHINDUCTOR_CACHE_DIR``) and after inductor's one-time start-up: within one process a
+contender would reuse the kernels and traces another one compiled before it. ``--warm-cache``
+keeps your cache; ``--first-step-in-process`` times it in the benchmark's process (faster, biased
+towards later contenders).
 
 Run: ``python benchmarks/training.py [--repeats N] [--steps K] [--threads T] [--markdown FILE]``
 or ``python -m torchdi bench --suite training``.
@@ -24,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +56,7 @@ class Workload:
     batches: list[Any]  # (inputs, targets) cycled through
     loss_of_output: Callable[[Any, Any], torch.Tensor]  # loss from model(inputs) and targets
     optimizer: Callable[[Any], torch.optim.Optimizer]
-    call: Callable[[nn.Module, Any], Any] = field(default=lambda model, inputs: model(inputs))
+    call: Callable[[Any, Any], Any] = field(default=lambda model, inputs: model(inputs))
 
 
 def mlp_dropout() -> Workload:
@@ -119,16 +126,22 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 }
 
 
-def plain_loop(work: Workload, compiled: bool) -> Step:
+def plain_loop(work: Workload, compiled: str | None) -> Step:
+    """The ``loss.backward()`` loop; ``compiled``: ``None``, ``"model"`` or ``"model+loss"``."""
     model = work.make_model().train()
-    runner = torch.compile(model) if compiled else model
     optimizer = work.optimizer(model.parameters())
     counter = iter(range(10**9))
+    runner = torch.compile(model) if compiled == "model" else model
+
+    def loss_of(inputs: Any, targets: Any) -> torch.Tensor:
+        return work.loss_of_output(work.call(runner, inputs), targets)
+
+    loss_fn = torch.compile(loss_of) if compiled == "model+loss" else loss_of
 
     def step() -> float:
         inputs, targets = work.batches[next(counter) % len(work.batches)]
         optimizer.zero_grad()
-        loss = work.loss_of_output(work.call(runner, inputs), targets)
+        loss = loss_fn(inputs, targets)
         loss.backward()
         optimizer.step()
         return float(loss.detach())
@@ -172,15 +185,45 @@ class _Functional:
 
 
 CONTENDERS: dict[str, Callable[[Workload], Step]] = {
-    "eager": lambda w: plain_loop(w, compiled=False),
-    "torch.compile": lambda w: plain_loop(w, compiled=True),
+    "eager": lambda w: plain_loop(w, compiled=None),
+    "torch.compile": lambda w: plain_loop(w, compiled="model"),
+    "torch.compile(model+loss)": lambda w: plain_loop(w, compiled="model+loss"),
     "torchdi AutoAutograd": lambda w: torchdi_loop(w, td.AutoAutograd()),
     "torchdi AutoFunc": lambda w: torchdi_loop(w, td.AutoFunc()),
     "torchdi AutoCompile": lambda w: torchdi_loop(w, td.AutoCompile()),
 }
 
 
-def run_workload(work: Workload, repeats: int, steps: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def warm_up_inductor() -> None:
+    """Inductor's one-time start-up (imports, its C++ toolchain check and headers), paid here,
+    not by whichever contender happens to compile first."""
+    torch.compile(lambda t: (t * 2).sum())(torch.ones(4, requires_grad=True)).backward()
+
+
+def first_step_seconds(work: Workload, contender: str) -> float:
+    """Seconds of ``contender``'s first step on ``work``, in this process."""
+    loop = CONTENDERS[contender](work)
+    start = time.perf_counter()
+    loop()
+    return time.perf_counter() - start
+
+
+def first_step_in_fresh_process(workload: str, contender: str, threads: int, warm_cache: bool) -> float | None:
+    """``first_step_seconds`` in a new Python process (its own inductor cache unless ``warm_cache``)."""
+    command = [sys.executable, os.path.abspath(__file__), "--first-step", workload, contender, "--threads", str(threads)]
+    env = dict(os.environ)
+    if not warm_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchdi-training-inductor-")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1])["first_step_s"] if done.returncode == 0 and lines else None
+
+
+def run_workload(
+    work: Workload, repeats: int, steps: int, log: Callable[[str], None], first_step: Callable[[str], float | None] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of ``work``'s table. ``first_step(contender)`` times a first step elsewhere (a fresh
+    process); without it, the first step of this process's loop is timed."""
     rows: dict[str, dict[str, Any]] = {}
     loops: dict[str, Step] = {}
     for name, make in CONTENDERS.items():
@@ -190,7 +233,7 @@ def run_workload(work: Workload, repeats: int, steps: int, log: Callable[[str], 
             loop = make(work)
             start = time.perf_counter()
             loop()
-            row["first_step_s"] = time.perf_counter() - start
+            row["first_step_s"] = time.perf_counter() - start if first_step is None else first_step(name)
             loops[name] = loop
         except Exception as error:  # reported in the table, as a user would meet it
             row["note"] = f"fails: {type(error).__name__}: {' '.join(str(error).split())[:160]}"
@@ -238,15 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's on-disk cache (default: a fresh one, so first steps compile from scratch)")
+    parser.add_argument("--first-step-in-process", action="store_true",
+                        help="time first steps in this process (faster; later contenders reuse earlier ones' kernels)")
+    parser.add_argument("--first-step", nargs=2, metavar=("WORKLOAD", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.warm_cache:
-        # A graph compiled by an earlier run (or an earlier contender) would load from inductor's
-        # cache in a second and make first-step times meaningless: every run starts cold.
+        # A graph compiled by an earlier run would load from inductor's cache in a second and make
+        # first-step times meaningless: every run starts cold.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchdi-training-inductor-")
-    # Inductor's one-time start-up (imports, its C++ toolchain check and headers) is paid here,
-    # not by whichever contender happens to compile first.
-    torch.compile(lambda t: (t * 2).sum())(torch.ones(4, requires_grad=True)).backward()
+    warm_up_inductor()
+    if args.first_step:  # the child process of first_step_in_fresh_process
+        workload, contender = args.first_step
+        print(json.dumps({"first_step_s": first_step_seconds(WORKLOADS[workload](), contender)}))
+        return 0
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for name in args.workloads.split(","):
@@ -256,10 +304,15 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(f"{name}: skipped, its package does not load here ({type(error).__name__}: {' '.join(str(error).split())[:120]})")
             print(skipped[-1], file=sys.stderr, flush=True)
             continue
-        rows += run_workload(work, args.repeats, args.steps, lambda m: print(m, file=sys.stderr, flush=True))
+        fresh = None if args.first_step_in_process else (
+            lambda contender, name=name: first_step_in_fresh_process(name, contender, args.threads, args.warm_cache)
+        )
+        rows += run_workload(work, args.repeats, args.steps, lambda m: print(m, file=sys.stderr, flush=True), fresh)
+    where = "in this process" if args.first_step_in_process else "in a fresh process each"
     header = (
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); steps/s: medians of {args.repeats} interleaved "
-        f"repeats of {args.steps} steps; first step includes preparation / compilation"
+        f"repeats of {args.steps} steps; first step includes preparation / compilation, timed {where}"
+        f"{' with a warm inductor cache' if args.warm_cache else ', from an empty inductor cache'}"
     )
     table = "\n".join([header, "", format_markdown(rows), *(["", *skipped] if skipped else [])])
     print(table)
