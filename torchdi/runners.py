@@ -86,15 +86,17 @@ class TreeMeta:
 @dataclass(frozen=True)
 class Spec:
     """What a runner builder may rely on: layouts of ``x`` and ``y``, the number of tangents,
-    whether the caller uses the value (``False``: a runner may return ``None`` in its place), and
+    whether the caller uses the value (``False``: a runner may return ``None`` in its place),
     whether the runner runs inside an outer forward-mode transform (the inner derivative of a
-    generic second derivative)."""
+    generic second derivative), and the positions of the ``State`` contexts (whose in-place
+    updates by ``f`` must reach the caller's tensors)."""
 
     x: TreeMeta
     y: TreeMeta
     n_tangents: int
     needs_value: bool = True
     inside_forward_mode: bool = False
+    state_contexts: tuple[int, ...] = ()
 
 
 def outer_inner(backend: Backend) -> tuple[Backend, Backend]:

@@ -97,6 +97,58 @@ def test_module_constant_training_flag_is_followed():
     assert prep.num_compilations == compiled + 1
 
 
+def batchnorm_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).train()
+
+
+def functional_loss(params, buffers, model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(torch.func.functional_call(model, (params, buffers), (x,)), y)
+
+
+def train_eagerly(model, data, device):
+    """The user's loop: loss.backward() and SGD, on ``device``; the trained model back on the host."""
+    model = model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+    return model.cpu()
+
+
+def test_state_buffers_update_once_per_call_like_eager_training():
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(4)]
+    on_cpu = train_eagerly(batchnorm_net(), data, "cpu")
+    on_xla = train_eagerly(batchnorm_net(), data, torch_xla.device())
+
+    model = batchnorm_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    before = {name: t.clone() for name, t in buffers.items()}
+    prep = td.prepare_gradient(functional_loss, XLA, params, td.State(buffers), td.Constant(model), td.Constant(data[0]))
+    assert prep.runner.path == TRACED
+    for name, t in buffers.items():  # preparation's evaluations left no trace
+        assert torch.equal(t, before[name]), name
+    for batch in data:
+        optimizer.zero_grad()
+        td.value_and_gradient(
+            functional_loss, XLA, params, td.State(buffers), td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params)
+        )
+        optimizer.step()
+    assert prep.num_compilations == 1
+    assert int(buffers["1.num_batches_tracked"]) == len(data)  # once per call
+    for name, want in on_cpu.named_parameters():
+        torch.testing.assert_close(params[name], want, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(buffers["1.running_mean"], on_cpu[1].running_mean, atol=1e-5, rtol=1e-4)
+    # torch-xla's batch norm tracks the biased batch variance (PyTorch's CPU and CUDA kernels the
+    # unbiased one): running_var is the XLA device's eager training's, not the CPU's.
+    torch.testing.assert_close(buffers["1.running_var"], on_xla[1].running_var, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(on_xla[1].running_var, on_cpu[1].running_var, atol=1e-4)
+
+
 SCALE = 2.0
 
 

@@ -308,7 +308,9 @@ class XLARunner:
         random: whether the compiled program draws random numbers.
     """
 
-    def __init__(self, runner: Any, backend: AutoXLA, family: str = "runner", function_name: str = "f") -> None:
+    def __init__(
+        self, runner: Any, backend: AutoXLA, family: str = "runner", function_name: str = "f", state_contexts: tuple[int, ...] = ()
+    ) -> None:
         import torch_xla
 
         self.runner = runner
@@ -322,6 +324,10 @@ class XLARunner:
         self.buffers: list[torch.Tensor | None] | None = None
         self.replicas: dict[int, _ModuleReplica] = {}
         self.scalar_slots: tuple[int, ...] = ()
+        self.state_contexts = state_contexts
+        # Flat positions of the State contexts' tensors: f updates the device copies in place,
+        # and the call writes them back into the caller's host tensors.
+        self.state_slots: tuple[int, ...] = ()
         self._compiled: Any = None
         self.cache: DynamoCache | None = None
         self._spec: pytree.TreeSpec | None = None
@@ -344,8 +350,17 @@ class XLARunner:
         self.translate = any(
             not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf for leaf in pytree.tree_leaves(contexts)
         )
-        leaves, spec = pytree.tree_flatten((x, tangents, translate_contexts(contexts, None, x)))
+        translated = translate_contexts(contexts, None, x)
+        leaves, spec = pytree.tree_flatten((x, tangents, translated))
         self._spec = spec
+        offset = len(pytree.tree_leaves((x, tangents)))
+        slots: list[int] = []
+        for i, context in enumerate(translated):
+            count = len(pytree.tree_leaves(context))
+            if i in self.state_contexts:
+                slots.extend(range(offset, offset + count))
+            offset += count
+        self.state_slots = tuple(slots)
         self.n_x_leaves = len(pytree.tree_leaves(x))
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.nn.Module):
@@ -391,8 +406,9 @@ class XLARunner:
         if self.cache is not None:
             self.cache.refresh()
 
-    def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], bool]:
-        """The flat leaves on the device (0-d ones as shape (1,)), and whether ``x`` lived there."""
+    def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], bool, list[Any]]:
+        """The flat leaves on the device (0-d ones as shape (1,)), whether ``x`` lived there, and
+        the flat leaves as given."""
         if self.translate:
             contexts = translate_contexts(contexts, None, x)
         leaves: list[Any] = []
@@ -421,11 +437,11 @@ class XLARunner:
                 moved.append(self.replicas[i].refresh(leaf))
             else:
                 moved.append(leaf)
-        return moved, x_on_device
+        return moved, x_on_device, leaves
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         _refuse_autocast(self.name)
-        leaves, x_on_device = self._arguments(x, tangents, contexts)
+        leaves, x_on_device, given = self._arguments(x, tangents, contexts)
         if self._compiled is not None:
             if self.random:  # the program's seed input, drawn from the host generator
                 import torch_xla.core.xla_model as xm
@@ -434,6 +450,8 @@ class XLARunner:
             result = self._run_compiled(tuple(leaves))
         else:
             result = self._lazy(leaves)
+        if self.state_slots:
+            _write_back(given, leaves, self.state_slots)
         if x_on_device:
             return result
         return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, result)
@@ -466,6 +484,16 @@ class XLARunner:
         torch_xla._XLAC._xla_sync_multi(outputs, devices=[], wait=True)  # this call's outputs only
         self.num_compilations += _uncached_compiles() - before
         return result
+
+
+def _write_back(given: list[Any], on_device: list[Any], slots: tuple[int, ...]) -> None:
+    """Copy the device tensors at ``slots``, which ``f`` updated in place, into the caller's
+    tensors they were copied from (a tensor already on the device was updated itself)."""
+    with torch.no_grad():
+        for i in slots:
+            host, device = given[i], on_device[i]
+            if host is not device:
+                host.copy_(device.cpu().reshape(host.shape))
 
 
 def _append_leaves(tree: Any, leaves: list[Any]) -> None:
@@ -502,7 +530,7 @@ class XLAEngine:
             inner = _hessian_from_hvps(f, spec)
         else:
             inner = build_runner(inner_backend, family, f, spec)
-        return XLARunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+        return XLARunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
 
 
 def _hessian_from_hvps(f: Any, spec: Any) -> Any:

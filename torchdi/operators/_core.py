@@ -18,6 +18,7 @@ from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
     AutoFunc,
+    AutoXLA,
     Backend,
     require_available,
 )
@@ -240,14 +241,14 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
                 f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
                 f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
             )
-    inner = backend.inner if isinstance(backend, AutoCompile) else backend
+    inner = backend.inner if isinstance(backend, (AutoCompile, AutoXLA)) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
     if family not in _STATE_FAMILIES or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
         raise UnsupportedOperatorError(
             f"{operator} with {backend!r}: a torchdi.State context is updated exactly once per call only by "
-            "gradient and value_and_gradient on AutoAutograd(), AutoFunc() and "
-            "AutoCompile(inner=AutoAutograd() or AutoFunc()) without mode='reduce-overhead' (other operators "
-            "evaluate f several times or under vmap; AutoXLA and CUDA graphs run f on copies of the tensors). "
+            "gradient and value_and_gradient on AutoAutograd(), AutoFunc(), and AutoCompile() and AutoXLA() "
+            "with inner=AutoAutograd() or AutoFunc(), not with mode='reduce-overhead' (other operators "
+            "evaluate f several times or under vmap; CUDA graphs run f on copies of the tensors). "
             "Pass the values as a Constant with fixed statistics (model.eval()) for other operators."
         )
 
@@ -363,7 +364,7 @@ def _prepare_operator(
     elif tangents is not None:
         raise TypeError(f"{operator} takes no tangents")
     del y, y_leaves
-    spec = Spec(x_meta, y_meta, n_tangents)
+    spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
     batched = None if tangents is None else _batch_tangents(tangents)
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
     # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
