@@ -325,7 +325,7 @@ def test_resnet18_train_mode_with_state_matches_eager_training():
     assert prep.runner.path == TRACED and prep.num_compilations == 1
     # The reference is the same loop run eagerly on the XLA device: torch-xla's CPU client itself
     # ends these 2 steps up to 0.025 away from PyTorch's CPU kernels (measured), torchdi's program
-    # within 1e-5 of the device's eager loop.
+    # within 4e-5 of the device's eager loop.
     for name, want in on_xla.named_parameters():
         torch.testing.assert_close(params[name], want, atol=1e-4, rtol=1e-3, msg=name)
     for name, want in on_xla.named_buffers():  # running_var: torch-xla's biased variance
