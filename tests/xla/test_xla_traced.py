@@ -245,12 +245,18 @@ def test_unsupported_closure_falls_back_to_lazy_tensors_and_says_so(caplog):
     torch.testing.assert_close(td.gradient(with_item, XLA, point(1), prep=prep), td.gradient(with_item, REFERENCE, point(1)))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed in this environment")
-@pytest.mark.skipif(
-    os.environ.get("TORCHDI_XLA_RESNET") != "1",
-    reason="compiling resnet18 for XLA takes minutes on 2 cores: set TORCHDI_XLA_RESNET=1 (and install torchvision==0.24.0)",
-)
+def resnet18_gate(test):
+    """Run ``test`` only when asked: resnet18 takes a minute or more to compile for XLA on 2 cores."""
+    test = pytest.mark.skipif(
+        os.environ.get("TORCHDI_XLA_RESNET") != "1",
+        reason="compiling resnet18 for XLA takes a minute or more on 2 cores: set TORCHDI_XLA_RESNET=1 "
+        "(and install torchvision==0.24.0)",
+    )(test)
+    test = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed in this environment")(test)
+    return pytest.mark.slow(test)
+
+
+@resnet18_gate
 def test_resnet18_forward_and_backward():
     import torchvision
 
@@ -296,12 +302,7 @@ def test_a_dropped_prep_frees_its_runner_and_keeps_f_unreferenced():
     assert not any(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) for code in codes)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed in this environment")
-@pytest.mark.skipif(
-    os.environ.get("TORCHDI_XLA_RESNET") != "1",
-    reason="compiling resnet18 for XLA takes minutes on 2 cores: set TORCHDI_XLA_RESNET=1 (and install torchvision==0.24.0)",
-)
+@resnet18_gate
 def test_resnet18_train_mode_with_state_matches_eager_training():
     import torchvision
 
