@@ -246,7 +246,6 @@ class CompiledRunner:
                 "breaks (preparation then logs how much was captured)."
             ) from error
         self.prepared = True
-        self._cache.refresh()
         if self.num_ops == 0:
             logger.warning(
                 "torchdi: AutoCompile captured no operation of the %s: it runs eagerly (graph breaks "

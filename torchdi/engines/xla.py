@@ -403,8 +403,6 @@ class XLARunner:
             )
             self(x, tangents, contexts)  # the lazy path; a genuine error in f surfaces here
         self.prepared = True
-        if self.cache is not None:
-            self.cache.refresh()
 
     def _arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[list[Any], bool, list[Any]]:
         """The flat leaves on the device (0-d ones as shape (1,)), whether ``x`` lived there, and
