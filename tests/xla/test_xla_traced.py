@@ -25,6 +25,11 @@ def uncached():
     return int(metrics.counter_value("UncachedCompile") or 0)
 
 
+def transfers_from_device():
+    data = metrics.metric_data("TransferFromDeviceTime")
+    return data[0] if data else 0
+
+
 def point(seed, shape=(6,)):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
@@ -136,9 +141,12 @@ def test_state_buffers_update_once_per_call_like_eager_training():
         assert torch.equal(t, before[name]), name
     for batch in data:
         optimizer.zero_grad()
+        transfers = transfers_from_device()
         td.value_and_gradient(
             functional_loss, XLA, params, td.State(buffers), td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params)
         )
+        # The value, the gradients and the updated State tensors come back in one transfer.
+        assert transfers_from_device() == transfers + 1
         optimizer.step()
     assert prep.num_compilations == 1
     assert int(buffers["1.num_batches_tracked"]) == len(data)  # once per call
