@@ -79,16 +79,14 @@ class DynamoCache:
 
     def refresh(self) -> None:
         """Read the current cache entries (after a compilation added one)."""
-        code = self.function.__code__
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
         fast = []
-        for entry in entries:
+        for entry in self._current_entries():
             names = entry.code.co_names
             one_graph = sum(name.startswith("__compiled_fn") for name in names) == 1
             if not one_graph or any(name.startswith("__resume") for name in names):
                 self.entries, self.fast = (), False
                 return
-            transformed = types.FunctionType(entry.code, self.function.__globals__, code.co_name)
+            transformed = types.FunctionType(entry.code, self.function.__globals__, self.function.__code__.co_name)
             fast.append((entry.guard_manager.check, transformed))
         self.entries, self.fast = tuple(fast), bool(fast)
 
@@ -127,24 +125,23 @@ class DynamoCache:
             self.refresh()
         return result
 
+    def _current_entries(self) -> list[Any]:
+        """Dynamo's cache entries on the entry point's code object now, newest first."""
+        return list(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.function.__code__))
+
     def _transformed_codes(self) -> tuple[types.CodeType, ...]:
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.function.__code__)
-        return tuple(entry.code for entry in entries)
+        return tuple(entry.code for entry in self._current_entries())
 
     def recompile_cause(self) -> str:
-        """Why the call in flight recompiles, in dynamo's words (asked from the compiler, before
-        the new entry exists)."""
+        """Why the call in flight recompiles: dynamo's words for the guard of the newest cache
+        entry that fails for its arguments (asked from the compiler, before the new entry exists)."""
         if self.in_flight is None:
             return "of a change"
-        return self.failed_guard(self.in_flight)
-
-    def failed_guard(self, frame_locals: dict[str, Any]) -> str:
-        """Dynamo's words for why the newest cache entry does not serve ``frame_locals``."""
-        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.function.__code__)
+        entries = self._current_entries()
         if not entries:
             return "dynamo's cache for it was emptied (torch._dynamo.reset())"
         try:
-            info = entries[0].guard_manager.check_verbose(frame_locals)
+            info = entries[0].guard_manager.check_verbose(self.in_flight)
             parts = [" ".join(part.split()) for part in info.verbose_code_parts if part.strip()]
         except Exception:  # a guard that cannot say why: the recompilation still happens
             parts = []
