@@ -12,10 +12,12 @@ PIP_QUIET := --quiet --disable-pip-version-check
 
 .PHONY: test test-main test-xla lint bench check clean docs docs-check
 
+# The docs extra too: `make test` checks the docs while the suite runs in this environment, and
+# nothing may be installed into an environment a running test imports from.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) torch==$(TORCH_VERSION)
-	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[test,dev,bench]'
+	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[test,dev,bench,docs]'
 	touch $@
 
 lint: $(VENV)/.installed
@@ -38,19 +40,19 @@ test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 	$(XLA_VENV)/bin/python -m pytest -q tests/test_real_models.py -k resnet
 
-test: lint test-main test-xla docs-check
+# The four parts at once (separate processes and environments): the two suites are each mostly
+# one busy core, and the wall time is then about the main suite's alone. Each part's output is
+# printed whole when it ends.
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-main test-xla docs-check
 
-# The documentation site (Sphinx, docs/): its own extra, warnings are errors.
-$(VENV)/.docs-installed: $(VENV)/.installed setup.cfg
-	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[docs]'
-	touch $@
-
-docs: $(VENV)/.docs-installed
+# The documentation site (Sphinx, docs/): warnings are errors.
+docs: $(VENV)/.installed
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs: open docs/_build/html/index.html"
 
 # Cheap check for make test: every page parsed and every docstring imported, nothing written.
-docs-check: $(VENV)/.docs-installed
+docs-check: $(VENV)/.installed
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b dummy docs docs/_build/dummy
 
 bench: $(VENV)/.installed

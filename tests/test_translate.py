@@ -68,7 +68,7 @@ class Opaque:
     pass
 
 
-@pytest.mark.parametrize("value", [3, True, False, "mean", None, Opaque(), (lambda: 1)], ids=repr)
+@pytest.mark.parametrize("value", [3, True, False, "mean", None, Opaque(), (lambda: 1)], ids=["int", "True", "False", "str", "None", "object", "function"])
 def test_static_values_are_unchanged(value):
     assert to_device_tensor(value, "cpu") is value
 
