@@ -28,9 +28,14 @@ lint: $(VENV)/.installed
 test-main: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla
 
-$(XLA_VENV)/.installed: setup.cfg pyproject.toml Makefile
+$(XLA_VENV)/.dependencies: Makefile
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/pip install $(PIP_QUIET) torch==$(XLA_VERSION) torch-xla==$(XLA_VERSION) torchvision==$(TORCHVISION_VERSION) numpy pytest hypothesis
+	touch $@
+
+# After $(VENV)'s: an editable install writes torchdi.egg-info into this checkout, and two at
+# once (make test runs in parallel) could trip over each other.
+$(XLA_VENV)/.installed: $(XLA_VENV)/.dependencies $(VENV)/.installed setup.cfg pyproject.toml
 	$(XLA_VENV)/bin/pip install $(PIP_QUIET) --no-deps -e .
 	touch $@
 
