@@ -86,3 +86,10 @@ def test_into_grad_with_another_structure_is_refused():
     x = {"a": torch.ones(2), "b": torch.ones(2)}
     with pytest.raises(ValueError, match="into_grad"):
         td.gradient(lambda t: t["a"].sum() + t["b"].sum(), td.AutoFunc(), x, out=td.into_grad([x["a"], x["b"]]))
+
+
+def test_into_grad_of_a_computed_tensor_is_refused_naming_it():
+    weight = torch.randn(3, requires_grad=True)
+    params = {"scaled": weight * 2}  # a computed tensor: not what an optimizer holds
+    with pytest.raises(ValueError, match=r"params\['scaled'\] is not a leaf tensor.*named_parameters"):
+        td.into_grad(params)

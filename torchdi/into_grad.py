@@ -34,6 +34,15 @@ class IntoGrad:
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"into_grad: params must be a pytree of tensors, found a leaf of type {type(leaf).__name__}")
+            if not leaf.is_leaf:
+                # Autograd never fills a computed tensor's .grad and no optimizer reads it: the
+                # gradients would go where nothing looks.
+                path = next(path for path, t in pytree.tree_flatten_with_path(params)[0] if t is leaf)
+                raise ValueError(
+                    f"into_grad: params{pytree.keystr(path)} is not a leaf tensor (it was computed from tensors that "
+                    "require grad), so its .grad is not what an optimizer reads; pass the parameters themselves, "
+                    "e.g. dict(model.named_parameters())"
+                )
         self.leaves: list[torch.Tensor] = leaves
         self.accumulate = accumulate
 
