@@ -10,7 +10,7 @@ XLA_VERSION := 2.9.0
 TORCHVISION_VERSION := 0.24.0
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: test test-main test-xla lint bench check clean docs docs-check
+.PHONY: test test-main test-main-scenarios test-main-rest test-xla lint bench check clean docs docs-check
 
 # The docs extra too: `make test` checks the docs while the suite runs in this environment, and
 # nothing may be installed into an environment a running test imports from.
@@ -25,8 +25,15 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # The docstring examples run as doctests with the core suite (conftest.py provides torch, torchdi).
-test-main: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla
+# Every default scenario on aot_eager is about half of the suite's time: a process of its own,
+# which runs beside the rest under make test.
+test-main: test-main-scenarios test-main-rest
+
+test-main-scenarios: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q tests/test_compile.py -m scenarios
+
+test-main-rest: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla -m "not scenarios"
 
 $(XLA_VENV)/.dependencies: Makefile
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
@@ -45,11 +52,10 @@ test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 	$(XLA_VENV)/bin/python -m pytest -q tests/test_real_models.py -k resnet
 
-# The four parts at once (separate processes and environments): the two suites are each mostly
-# one busy core, and the wall time is then about the main suite's alone. Each part's output is
-# printed whole when it ends.
+# The parts at once (separate processes; the suites in separate environments): each suite is
+# mostly one busy core. Each part's output is printed whole when it ends.
 test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-main test-xla docs-check
+	$(MAKE) --no-print-directory -j5 --output-sync=target lint test-main test-xla docs-check
 
 # The documentation site (Sphinx, docs/): warnings are errors.
 docs: $(VENV)/.installed

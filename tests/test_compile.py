@@ -338,6 +338,7 @@ def test_the_default_scenarios_are_240():
     assert len(default_scenarios()) == 240
 
 
+@pytest.mark.scenarios
 @pytest.mark.parametrize("operator", list(OPERATORS))
 def test_aot_eager_passes_every_default_scenario(operator):
     """All 240 scenarios of torchdi.testing (every operator; scalar, vector, matrix, dict inputs;
