@@ -368,3 +368,44 @@ def test_one_shot_calls_compile_only_the_variant_they_need(monkeypatch):
     y, g = td.value_and_gradient(scaled_power, AOT, x, td.Constant(2))
     _close((y, g), ((x**2).sum(), 2 * x))
     assert len(compiled) == 2
+
+
+def test_inductor_layout_optimization_is_off_unless_the_user_turns_it_on(monkeypatch):
+    from torchdi.engines.compile import inductor_options
+
+    monkeypatch.delenv("TORCHINDUCTOR_LAYOUT_OPTIMIZATION", raising=False)
+    assert inductor_options(None) == {"layout_optimization": False}
+    assert inductor_options({"layout_optimization": True, "cpp_wrapper": True}) == {
+        "layout_optimization": True,
+        "cpp_wrapper": True,
+    }
+    monkeypatch.setenv("TORCHINDUCTOR_LAYOUT_OPTIMIZATION", "1")
+    assert inductor_options(None) == {}
+
+
+def test_inductor_compiles_a_convolution_gradient_without_layout_optimization(monkeypatch):
+    """What inductor decides for the graph of a convolution's gradient (it would turn layout
+    optimization on for any CPU convolution), and the gradient itself against eager autograd."""
+    from torch._inductor.graph import GraphLowering
+
+    monkeypatch.delenv("TORCHINDUCTOR_LAYOUT_OPTIMIZATION", raising=False)
+    decisions = []
+    decide = GraphLowering.decide_layout_opt
+
+    def spy(gm, *, is_inference):
+        decisions.append(decide(gm, is_inference=is_inference))
+        return decisions[-1]
+
+    monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(spy))
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    images = torch.randn(2, 3, 6, 6)
+
+    def loss(weight, bias, images):
+        return torch.nn.functional.conv2d(images, weight, bias).relu().sum()
+
+    weight, bias = conv.weight.detach(), conv.bias.detach()
+    g = td.gradient(lambda w, b, x: loss(w, b, x), INDUCTOR, weight, td.Constant(bias), td.Constant(images))
+    expected = torch.autograd.grad(loss(conv.weight, conv.bias, images), conv.weight)[0]
+    _close(g, expected)
+    assert decisions == [False]

@@ -65,7 +65,8 @@ class AutoCompile:
         fullgraph: refuse graph breaks (an error at preparation names the reason).
         dynamic: ``torch.compile``'s ``dynamic=``.
         compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
-        options: inductor options (a mapping), as ``torch.compile(options=...)``.
+        options: inductor options (a mapping), as ``torch.compile(options=...)``. Over torchdi's
+            one default: ``{"layout_optimization": False}`` (see ``engines.compile.inductor_options``).
     """
 
     inner: Backend = field(default_factory=lambda: AutoFunc())

@@ -23,6 +23,7 @@ own business, and everything it compiled is freed with it (rule 9).
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any, ClassVar
 
@@ -35,7 +36,7 @@ from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_en
 from torchdi.runners import build_runner
 from torchdi.translate import copyto_, to_device_tensor
 
-__all__ = ["CompileEngine", "CompiledRunner", "float_positions", "traced_view", "translated"]
+__all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
 
@@ -83,6 +84,21 @@ def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
     return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821  (the entry's own global)
 
 
+def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The inductor options of a preparation: the user's, over torchdi's one default.
+
+    That default turns inductor's layout optimization off. A torchdi graph holds derivatives, and
+    inductor keeps a convolution backward in the layout dynamo traced (contiguous), while layout
+    optimization makes the forward convolutions channels-last: the graph then converts between
+    the two. Measured on resnet18 in train mode (torch 2.9, 1 thread): first step 64 s against
+    78 s, steps/s 8.3 against 7.4; on a BatchNorm CNN's pushforward (torch 2.13): 15-17 s
+    against 19 s to compile, calls/s unchanged. ``options={"layout_optimization": True}`` or
+    the ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION`` environment variable turns it back on.
+    """
+    defaults = {} if "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ else {"layout_optimization": False}
+    return {**defaults, **(options or {})}
+
+
 class _CountingCompiler:
     """A ``torch.compile`` backend that counts the graphs it compiles for one runner, then delegates.
 
@@ -93,7 +109,7 @@ class _CountingCompiler:
         self.owner = weakref.ref(owner)
         options = dict(backend.options) if backend.options else None
         if backend.compiler == "inductor":
-            self.compiler: Any = torch._TorchCompileInductorWrapper(backend.mode, options, backend.dynamic)
+            self.compiler: Any = torch._TorchCompileInductorWrapper(backend.mode, inductor_options(options), backend.dynamic)
         else:
             self.compiler = torch._TorchCompileWrapper(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
