@@ -94,6 +94,18 @@ def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
     78 s, steps/s 8.3 against 7.4; on a BatchNorm CNN's pushforward (torch 2.13): 15-17 s
     against 19 s to compile, calls/s unchanged. ``options={"layout_optimization": True}`` or
     the ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION`` environment variable turns it back on.
+
+    Args:
+        options: ``AutoCompile(options=...)``, or ``None``.
+
+    Returns:
+        The options handed to inductor (a new dict).
+
+    Example::
+
+        >>> from torchdi.engines.compile import inductor_options
+        >>> inductor_options({"cpp_wrapper": True})  # with TORCHINDUCTOR_LAYOUT_OPTIMIZATION unset
+        {'layout_optimization': False, 'cpp_wrapper': True}
     """
     defaults = {} if "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ else {"layout_optimization": False}
     return {**defaults, **(options or {})}
