@@ -397,9 +397,6 @@ def test_inductor_compiles_a_convolution_gradient_without_layout_optimization(mo
         return decisions[-1]
 
     monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(spy))
-    # A graph found in inductor's caches (an earlier run's) is not lowered again.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3)
     images = torch.randn(2, 3, 6, 6)
@@ -408,7 +405,9 @@ def test_inductor_compiles_a_convolution_gradient_without_layout_optimization(mo
         return torch.nn.functional.conv2d(images, weight, bias).relu().sum()
 
     weight, bias = conv.weight.detach(), conv.bias.detach()
-    g = td.gradient(lambda w, b, x: loss(w, b, x), INDUCTOR, weight, td.Constant(bias), td.Constant(images))
+    # A graph found in inductor's or AOTAutograd's cache (an earlier run's) is not lowered again.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        g = td.gradient(lambda w, b, x: loss(w, b, x), INDUCTOR, weight, td.Constant(bias), td.Constant(images))
     expected = torch.autograd.grad(loss(conv.weight, conv.bias, images), conv.weight)[0]
     _close(g, expected)
     assert decisions == [False]
