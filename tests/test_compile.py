@@ -407,7 +407,7 @@ def test_inductor_compiles_a_convolution_gradient_without_layout_optimization(mo
     weight, bias = conv.weight.detach(), conv.bias.detach()
     # A graph found in inductor's or AOTAutograd's cache (an earlier run's) is not lowered again.
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        g = td.gradient(lambda w, b, x: loss(w, b, x), INDUCTOR, weight, td.Constant(bias), td.Constant(images))
+        g = td.gradient(loss, INDUCTOR, weight, td.Constant(bias), td.Constant(images))
     expected = torch.autograd.grad(loss(conv.weight, conv.bias, images), conv.weight)[0]
     _close(g, expected)
     assert decisions == [False]
