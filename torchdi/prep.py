@@ -175,12 +175,15 @@ class Prep:
         "backend",
         "call",
         "f",
+        "functorch_factory",
+        "functorch_runner",
         "keep_static",
         "lean_call",
         "lean_factory",
         "lean_runner",
         "operator",
         "output_shape",
+        "reads_tracked",
         "runner",
         "strict",
     )
@@ -212,6 +215,12 @@ class Prep:
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
+        # Rule 10 (torchdi.operators._transparent): whether f read a tensor that requires grad
+        # besides x at preparation, and the runner that serves calls under torch.func transforms
+        # and dynamo when this one runs torch.autograd.grad (built on first use).
+        self.reads_tracked = False
+        self.functorch_factory: Callable[[], Callable[..., Any]] | None = None
+        self.functorch_runner: Callable[..., Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

@@ -30,20 +30,26 @@ def _is_tracked(leaf: torch.Tensor) -> bool:
     return getattr(fwAD, "_current_level", 0) >= 0 and fwAD.unpack_dual(leaf).tangent is not None
 
 
-def _track(x: Any) -> tuple[Any, list[torch.Tensor], bool]:
-    """``x`` with leaves that require grad, those leaves, and whether an outer transform is active."""
+def _track(x: Any, outer: bool) -> tuple[Any, list[torch.Tensor], bool]:
+    """``x`` with leaves that require grad, those leaves, and whether an outer transform is active.
+
+    ``outer`` is the caller's grad mode: operators call runners with grad mode off unless an outer
+    transform differentiates the result (DESIGN rule 10), for instance through a context or a
+    tensor ``f`` closes over while ``x`` itself is untracked; graphs are then built with
+    ``create_graph=True`` too.
+    """
     if isinstance(x, torch.Tensor):  # the common case, without pytree round trips
         if _is_tracked(x):
             tracked = x if x.requires_grad else x.clone().requires_grad_()
             return tracked, [tracked], True
         tracked = x.detach().requires_grad_()
-        return tracked, [tracked], False
+        return tracked, [tracked], outer
     leaves, spec = pytree.tree_flatten(x)
     if any(_is_tracked(leaf) for leaf in leaves):
         leaves = [leaf if leaf.requires_grad else leaf.clone().requires_grad_() for leaf in leaves]
         return pytree.tree_unflatten(leaves, spec), leaves, True
     leaves = [leaf.detach().requires_grad_() for leaf in leaves]
-    return pytree.tree_unflatten(leaves, spec), leaves, False
+    return pytree.tree_unflatten(leaves, spec), leaves, outer
 
 
 def _like_x(x: Any, leaves: list[torch.Tensor]) -> Any:
@@ -91,8 +97,9 @@ class AutogradEngine:
 
     def _pullback(self, f: Any) -> Any:
         def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            outer = torch.is_grad_enabled()
             with torch.enable_grad():
-                x_in, leaves, nested = _track(x)
+                x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 y_leaves = pytree.tree_leaves(y)
                 ty_leaves = pytree.tree_leaves(ty)
@@ -112,8 +119,9 @@ class AutogradEngine:
         # tensors this composes with any inner backend, torch.func's jvp included (PyTorch
         # does not nest forward-mode levels), which SecondOrder(AutoAutograd(), inner) needs.
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            outer = torch.is_grad_enabled()
             with torch.enable_grad():
-                x_in, leaves, nested = _track(x)
+                x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 y_leaves, y_spec = pytree.tree_flatten(y)
                 cotangents = [torch.zeros_like(leaf, requires_grad=True) for leaf in y_leaves]
@@ -130,8 +138,9 @@ class AutogradEngine:
 
     def _gradient(self, f: Any) -> Any:
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            outer = torch.is_grad_enabled()
             with torch.enable_grad():
-                x_in, leaves, nested = _track(x)
+                x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 if y.requires_grad:  # a 0-d output needs no explicit cotangent
                     grads = torch.autograd.grad(
@@ -146,8 +155,9 @@ class AutogradEngine:
 
     def _hvp(self, f: Any) -> Any:
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            outer = torch.is_grad_enabled()
             with torch.enable_grad():
-                x_in, leaves, nested = _track(x)
+                x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 grads = _grad([y], leaves, [torch.ones_like(y)], create_graph=True, retain_graph=True)
                 tx_leaves = pytree.tree_leaves(tx)
@@ -175,8 +185,9 @@ class AutogradEngine:
 
     def _second_derivative(self, f: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            outer = torch.is_grad_enabled()
             with torch.enable_grad():
-                x_in, (leaf,), nested = _track(x)
+                x_in, (leaf,), nested = _track(x, outer)
                 y = f(x_in, contexts)
                 dy = _jvp_by_double_vjp(y, leaf, create_graph=True)
                 d2y = _jvp_by_double_vjp(dy, leaf, create_graph=nested)

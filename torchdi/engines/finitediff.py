@@ -34,7 +34,19 @@ def _magnitude_along(x: Any, direction: Any) -> float:
     )
 
 
-def _axpy(x: Any, step: float, direction: Any) -> Any:
+def _batched(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is wrapped by ``torch.func`` (under ``vmap`` its values differ per
+    batch entry, so a step size read with ``float()`` cannot be taken: ``.item()`` is refused)."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in pytree.tree_leaves(tree))
+
+
+def _magnitude_along_tensor(x: Any, direction: Any) -> torch.Tensor:
+    """``_magnitude_along`` as a 0-d tensor (per batch entry under ``vmap``)."""
+    parts = [(a.detach().abs() * d.abs()).amax() for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction)) if a.numel()]
+    return torch.stack(parts).amax()
+
+
+def _axpy(x: Any, step: float | torch.Tensor, direction: Any) -> Any:
     return pytree.tree_map(lambda a, d: a + step * d, x, direction)
 
 
@@ -80,17 +92,25 @@ class FiniteDiffEngine:
             columns = []
             for i in range(count):
                 direction = pytree.tree_map(lambda t, i=i: t[i], tx)
+                if _batched(x) or _batched(direction):
+                    # The same step rule per batch entry of a vmap, as tensors (.item() is refused).
+                    norm_t = torch.stack([d.detach().abs().amax() for d in pytree.tree_leaves(direction) if d.numel()]).amax()
+                    safe = torch.where(norm_t == 0, torch.ones_like(norm_t), norm_t)
+                    h_t = relative * (1.0 + _magnitude_along_tensor(x, direction) / safe) / safe
+                    quotient = self._difference(f, x, y, direction, h_t, contexts)
+                    columns.append(pytree.tree_map(lambda q: torch.where(norm_t == 0, torch.zeros_like(q), q), quotient))
+                    continue
                 norm = _max_abs(direction)
                 if norm == 0.0:
                     columns.append(pytree.tree_map(torch.zeros_like, y))
                     continue
-                scale = 1.0 + _magnitude_along(x, direction) / norm
-                columns.append(self._difference(f, x, y, direction, relative * scale / norm, contexts))
+                h = relative * (1.0 + _magnitude_along(x, direction) / norm) / norm
+                columns.append(self._difference(f, x, y, direction, h, contexts))
             return y, pytree.tree_map(lambda *cs: torch.stack(cs), *columns)
 
         return run
 
-    def _difference(self, f: Any, x: Any, y: Any, direction: Any, h: float, contexts: tuple[Any, ...]) -> Any:
+    def _difference(self, f: Any, x: Any, y: Any, direction: Any, h: float | torch.Tensor, contexts: tuple[Any, ...]) -> Any:
         """The difference quotient of ``f`` at ``x`` along ``direction`` with step ``h``."""
         if self.method == "central":
             plus, minus = f(_axpy(x, h, direction), contexts), f(_axpy(x, -h, direction), contexts)
@@ -104,7 +124,8 @@ class FiniteDiffEngine:
 
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             y, dy = first(x, torch.ones((1,), dtype=x.dtype, device=x.device), contexts)
-            h = self._relative_step(x.dtype, order=2) * (1.0 + float(x.abs()))
+            size = x.detach().abs() if _batched(x) else float(x.abs())  # per batch entry under vmap
+            h = self._relative_step(x.dtype, order=2) * (1.0 + size)
             offsets = {"central": (1.0, 0.0, -1.0), "forward": (2.0, 1.0, 0.0), "backward": (0.0, -1.0, -2.0)}
             a, b, c = (f(x + o * h, contexts) for o in offsets[self.method])
             return y, dy[0], (a - 2 * b + c) / (h * h)

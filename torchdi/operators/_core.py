@@ -26,6 +26,7 @@ from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_context
 from torchdi.distributed import refuse_data_parallel
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.into_grad import IntoGrad
+from torchdi.operators import _transparent
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
 from torchdi.translate import copyto_, to_device_tensor
@@ -59,8 +60,9 @@ def _check_backend(backend: Any, operator: str) -> None:
         )
 
 
-def _canonical_x(x: Any, family: str, operator: str) -> Any:
-    """``x`` as runners take it: detached from any outer graph, scalars as 0-d tensors."""
+def _canonical_x(x: Any, family: str, operator: str, detach: bool = True) -> Any:
+    """``x`` as runners take it: detached from any outer graph (unless ``detach=False``: an outer
+    transform differentiates the result), scalars as 0-d tensors."""
     if family in SCALAR_X:
         if isinstance(x, (bool, complex)) or not isinstance(x, (int, float, torch.Tensor)):
             raise TypeError(f"{operator}: x must be a real Python number or a 0-d tensor, got {type(x).__name__}")
@@ -72,12 +74,12 @@ def _canonical_x(x: Any, family: str, operator: str) -> Any:
     if isinstance(x, torch.Tensor):
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"{operator}: x must have a floating-point or complex dtype, got {x.dtype}")
-        return x.detach() if x.requires_grad else x
+        return x.detach() if detach and x.requires_grad else x
     if family in TENSOR_X:
         raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
     if type(x) is dict and x and all(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in x.values()):
         # A flat dict of tensors (module parameters): the hot case, without a pytree round trip.
-        return {k: v.detach() for k, v in x.items()} if any(v.requires_grad for v in x.values()) else x
+        return {k: v.detach() for k, v in x.items()} if detach and any(v.requires_grad for v in x.values()) else x
     leaves, spec = pytree.tree_flatten(x)
     if not leaves:
         raise ValueError(f"{operator}: x must contain at least one tensor, got {x!r}")
@@ -88,12 +90,16 @@ def _canonical_x(x: Any, family: str, operator: str) -> Any:
                 f"found a leaf of type {type(leaf).__name__}"
                 + (f" and dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else "")
             )
-    if any(leaf.requires_grad for leaf in leaves):
+    if detach and any(leaf.requires_grad for leaf in leaves):
         return pytree.tree_unflatten([leaf.detach() for leaf in leaves], spec)
     return x
 
 
-def _batch_tangents(tangents: tuple[Any, ...]) -> Any:
+def _batch_tangents(tangents: tuple[Any, ...], detach: bool = True) -> Any:
+    if not detach:  # an outer transform differentiates (or batches) through the tangents too
+        if len(tangents) == 1:
+            return pytree.tree_map(lambda t: t.unsqueeze(0), tangents[0])
+        return pytree.tree_map(lambda *ts: torch.stack(ts), tangents[0], *tangents[1:])
     if len(tangents) == 1:
         return pytree.tree_map(lambda t: t.detach().unsqueeze(0), tangents[0])
     return pytree.tree_map(lambda *ts: torch.stack([t.detach() for t in ts]), tangents[0], *tangents[1:])
@@ -143,11 +149,17 @@ def _refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], op
     restoring what it wrote.
 
     Writes are seen by value, not only through version counters: some kernels write without
-    bumping them (``F.batch_norm`` updates running statistics that way). Backends disagree on
+    bumping them (``F.batch_norm`` updates running statistics that way), and ``torch.func``'s
+    wrappers keep counters of their own (values are compared under the wrappers, every batch
+    entry of a ``vmap``). While dynamo traces there are no values: the compiled program's
+    functionalization sees writes instead. Backends disagree on
     such writes (eager autograd performs them, ``torch.func`` may refuse them, a compiled graph
     replays them), so they are refused instead of silently diverging; values that ``f`` must
     update go in a ``State``.
     """
+    if torch.compiler.is_compiling():
+        yield
+        return
     # (context label, leaf path, tensor, type of the module owning it or None)
     watched: list[tuple[str, str, torch.Tensor, str | None]] = [("x", _path(p), t, None) for p, t in _tensor_leaves(x)]
     for i, (value, kind) in enumerate(zip(values, kinds)):
@@ -194,6 +206,7 @@ def _refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], op
 def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     if now.is_meta:  # no values to compare: the version counter alone decides
         return True
+    now, before = _transparent.unwrapped(now), _transparent.unwrapped(before)
     if torch.equal(now, before):
         return True
     if now.is_floating_point() or now.is_complex():  # NaN == NaN for this purpose
@@ -256,7 +269,12 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
 @contextlib.contextmanager
 def _without_side_effects(state_values: Sequence[Any]) -> Iterator[None]:
     """Undo what preparation's evaluations of ``f`` did to the global RNG and to ``State`` tensors:
-    a training loop prepared before its first step then runs exactly as the eager loop would."""
+    a training loop prepared before its first step then runs exactly as the eager loop would.
+    While dynamo traces (an operator inside a compiled function) there is nothing to restore:
+    the trace runs nothing."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     states = [leaf for value in state_values for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
@@ -335,8 +353,12 @@ def _prepare_operator(
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
     seen_by_f = getattr(engine, "contexts_seen_by_f", None)
+    if _transparent.under_functorch_or_dynamo():
+        # Under a torch.func transform or dynamo: refused at once, before anything compiles.
+        _transparent.refuse_under_outer_transform(backend, family, operator)
     try:
-        with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+        # The caller's grad mode (rule 10): f may call torch.autograd itself.
+        with _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
             y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
     except Exception as error:
         note = None if seen_by_f is None else _translation_note(values)
@@ -363,6 +385,9 @@ def _prepare_operator(
         n_tangents = len(tangents)  # type: ignore[arg-type]
     elif tangents is not None:
         raise TypeError(f"{operator} takes no tangents")
+    # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
+    # then its derivatives depend on it and outer autograd must see them (rule 10).
+    reads_tracked = torch.is_grad_enabled() and any(leaf.requires_grad for leaf in y_leaves)
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
     batched = None if tangents is None else _batch_tangents(tangents)
@@ -384,7 +409,7 @@ def _prepare_operator(
                     return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
-    return Prep(
+    prep = Prep(
         family,
         f,
         backend,
@@ -396,6 +421,13 @@ def _prepare_operator(
         output_shape,
         lean,
     )
+    prep.reads_tracked = reads_tracked
+    if _transparent.needs_functorch_safe(backend) and spec.x.numel and spec.y.numel:
+        # Under torch.func transforms and dynamo torch.autograd.grad cannot run: the same
+        # derivative from torch.func, built on the first such call.
+        safe = _transparent.functorch_safe(backend)
+        prep.functorch_factory = lambda: build_runner(safe, family, bound, spec)
+    return prep
 
 
 def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:
@@ -483,15 +515,19 @@ def run_operator(
     contexts: Sequence[Any],
     prep: Prep | None,
     value: bool = True,
+    detached: bool = False,
 ) -> tuple[Any, ...]:
     """Run ``family`` through ``prep`` (prepared on the spot when ``None``): the full result.
 
-    With ``value=False`` the value part may be ``None`` (the caller drops it).
+    With ``value=False`` the value part may be ``None`` (the caller drops it). ``detached=True``
+    (an ``out=`` call) says the result is not differentiated by outer autograd.
     """
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):  # see prepare_operator
-            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value)
+            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached)
     if prep is None:
+        if _transparent.outer_transform_active(x, tuple(c.value for c in contexts if hasattr(c, "value")), False, detached):
+            _transparent.refuse_under_outer_transform(backend, family, operator)
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
         values = tuple(c.value for c in contexts)
     else:
@@ -506,6 +542,8 @@ def run_operator(
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
     x = _without_inference_tensors(x)
     values = _without_inference_tensors(values)
+    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached):
+        return _run_transparent(family, operator, prep, x, tangents, values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value else prep.plain_call(x_run, batched, values)
@@ -515,6 +553,20 @@ def run_operator(
         return call(x_run, batched, values)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+
+
+def _run_transparent(family: str, operator: str, prep: Prep, x: Any, tangents: Any, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Run so that an outer transform sees through the result (DESIGN rule 10, ``_transparent``):
+    nothing detached, the caller's grad mode kept (eager runners then build differentiable graphs)."""
+    _transparent.refuse_under_outer_transform(prep.backend, family, operator)
+    runner = prep.runner
+    if prep.functorch_factory is not None and _transparent.under_functorch_or_dynamo():
+        if prep.functorch_runner is None:
+            prep.functorch_runner = prep.functorch_factory()
+        runner = prep.functorch_runner
+    x_run = _canonical_x(x, family, operator, detach=False)
+    batched = None if tangents is None else _batch_tangents(tangents, detach=False)
+    return runner(x_run, batched, values)
 
 
 def write_out(result: Any, out: Any, operator: str) -> Any:

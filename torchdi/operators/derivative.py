@@ -40,7 +40,7 @@ def value_and_derivative(
     f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
 ) -> tuple[Any, Any]:
     """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
-    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep)
+    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep, detached=out is not None)
     return y, write_out(dy, out, "value_and_derivative")
 
 
@@ -62,7 +62,7 @@ def derivative(
         >>> torchdi.derivative(lambda t: torch.stack([t, t**2]), torchdi.AutoAutograd(), 3.0)
         tensor([1., 6.])
     """
-    _, dy = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep)
+    _, dy = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep, detached=out is not None)
     return write_out(dy, out, "derivative")
 
 

@@ -65,7 +65,7 @@ def value_and_gradient(
         >>> torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2))
         (tensor(2.), tensor([2., 2.]))
     """
-    y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep)
+    y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep, detached=out is not None)
     return y, write_out(grad, out, "value_and_gradient")
 
 
@@ -93,7 +93,7 @@ def gradient(
         >>> torchdi.gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.tensor([1., 2.]))
         tensor([2., 4.])
     """
-    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep, value=False)
+    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep, value=False, detached=out is not None)
     return write_out(grad, out, "gradient")
 
 

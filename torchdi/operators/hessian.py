@@ -33,7 +33,7 @@ def value_gradient_and_hessian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian."""
-    y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep)
+    y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep, detached=out is not None)
     return y, grad, write_out(hess, out, "value_gradient_and_hessian")
 
 
@@ -48,7 +48,7 @@ def hessian(
         tensor([[6., 0.],
                 [0., 6.]])
     """
-    _, _, hess = run_operator("hessian", "hessian", f, backend, x, None, contexts, prep)
+    _, _, hess = run_operator("hessian", "hessian", f, backend, x, None, contexts, prep, detached=out is not None)
     return write_out(hess, out, "hessian")
 
 

@@ -42,7 +42,7 @@ def value_and_jacobian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
-    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep)
+    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep, detached=out is not None)
     return y, write_out(jac, out, "value_and_jacobian")
 
 
@@ -65,7 +65,7 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    _, jac = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep)
+    _, jac = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep, detached=out is not None)
     return write_out(jac, out, "jacobian")
 
 

@@ -35,7 +35,8 @@ def value_derivative_and_second_derivative(
 ) -> tuple[Any, Any, Any]:
     """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative."""
     y, dy, d2y = run_operator(
-        "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep
+        "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep,
+        detached=out is not None,
     )
     return y, dy, write_out(d2y, out, "value_derivative_and_second_derivative")
 
@@ -50,7 +51,7 @@ def second_derivative(
         >>> torchdi.second_derivative(lambda t: t**3, torchdi.AutoFunc(), 2.0)
         tensor(12.)
     """
-    _, _, d2y = run_operator("second_derivative", "second_derivative", f, backend, x, None, contexts, prep)
+    _, _, d2y = run_operator("second_derivative", "second_derivative", f, backend, x, None, contexts, prep, detached=out is not None)
     return write_out(d2y, out, "second_derivative")
 
 

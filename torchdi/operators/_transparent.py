@@ -1,0 +1,171 @@
+"""Operators under outer transforms (DESIGN rule 10): what makes torchdi compose like a torch function.
+
+An operator normally runs its runner on detached inputs with grad mode off: the fastest way to
+compute a derivative nobody differentiates again. When an outer transform is active, that would
+hand the outer transform a detached result, a derivative silently dropped. Outer transforms are:
+
+- a ``torch.func`` transform (``vmap``, ``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``,
+  ``hessian``): a functorch level is active;
+- ``torch.compile`` tracing the call (dynamo; a compiled torchdi backend whose function calls an
+  eager operator is one);
+- ``torch.autograd``: grad mode is on and ``x``, a context tensor, or a tensor ``f`` reads from its
+  closure (seen once, at preparation) requires grad, and the call has no ``out=`` (``out=`` buffers
+  are written without a graph, as ``.grad`` tensors are: the training loop's fast path).
+
+Detection is a handful of O(1) checks on the call path. Then the operator runs *transparently*:
+``x``, tangents and contexts are passed as they are (wrapped tensors, tensors that require grad),
+grad mode stays the caller's, ``AutoAutograd`` builds its graphs with ``create_graph=True`` (it
+reads the caller's grad mode), ``torch.func`` transforms nest in the outer ones, and finite
+differences are plain arithmetic on ``f``'s values. ``torch.autograd.grad`` cannot run inside a
+``torch.func`` transform (``requires_grad_`` is refused there) nor be traced whole by dynamo, so
+under those transforms an ``AutoAutograd`` (also inside ``SecondOrder``) computes with
+``torch.func`` instead: the same derivative, by the transform that composes.
+
+Compiled backends (``AutoCompile``, ``AutoXLA``, ``AutoSparse`` over them, ``SecondOrder`` with a
+compiled member) and ``AutoSparse``'s sparse results cannot be differentiated again nor batched
+by an outer transform: under one they raise ``UnsupportedOperatorError`` at once, naming the
+backends that compose. They never return a result the outer transform would see as a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoSparse,
+    AutoXLA,
+    Backend,
+    SecondOrder,
+)
+from torchdi.errors import UnsupportedOperatorError
+
+__all__ = [
+    "composes",
+    "functorch_safe",
+    "outer_transform_active",
+    "refuse_under_outer_transform",
+    "tracked",
+    "unwrapped",
+]
+
+_maybe_current_level: Callable[[], int | None] = torch._C._functorch.maybe_current_level
+_is_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
+_get_unwrapped: Callable[[torch.Tensor], torch.Tensor] = torch._C._functorch.get_unwrapped
+_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+
+# The families whose AutoSparse result is a sparse CSR tensor (the others are the dense backend's).
+_SPARSE_FAMILIES = frozenset({"jacobian", "hessian"})
+
+COMPOSING_BACKENDS = (
+    "AutoFunc(), AutoAutograd(), AutoFiniteDiff(), SecondOrder(AutoFunc(), AutoFunc()), "
+    "SecondOrder(AutoAutograd(), AutoFunc()), SecondOrder(AutoAutograd(), AutoAutograd())"
+)
+
+
+def tracked(tree: Any) -> bool:
+    """Whether a tensor leaf of ``tree`` (``x`` or a context value) requires grad.
+
+    Plain tensors, tuples, lists and dicts are walked without a pytree round trip; modules and
+    other objects are not walked (what ``f`` reads from them is seen at preparation, like any
+    closure).
+    """
+    kind = type(tree)
+    if kind is torch.Tensor or isinstance(tree, torch.Tensor):
+        return bool(tree.requires_grad)
+    if kind is tuple or kind is list:
+        return any(tracked(item) for item in tree)
+    if kind is dict:
+        return any(tracked(item) for item in tree.values())
+    if kind in pytree.SUPPORTED_NODES:
+        return any(tracked(leaf) for leaf in pytree.tree_leaves(tree))
+    return False
+
+
+def outer_transform_active(x: Any, values: tuple[Any, ...], reads_tracked: bool, detached: bool) -> bool:
+    """Whether a ``torch.func`` transform, dynamo, or ``torch.autograd`` may differentiate or batch
+    this call's result (see the module docstring). O(1) plus a look at ``x``'s and the contexts'
+    top-level tensors."""
+    if _maybe_current_level() is not None or _is_compiling():
+        return True
+    if detached or not torch.is_grad_enabled():
+        return False
+    return reads_tracked or tracked(x) or tracked(values)
+
+
+def composes(backend: Backend, family: str) -> bool:
+    """Whether ``backend``'s ``family`` runner gives results an outer transform sees through."""
+    if isinstance(backend, (AutoAutograd, AutoFunc, AutoFiniteDiff)):
+        return True
+    if isinstance(backend, SecondOrder):
+        return composes(backend.outer, family) and composes(backend.inner, family)
+    if isinstance(backend, AutoSparse):
+        return family not in _SPARSE_FAMILIES and composes(backend.dense, family)
+    return False  # AutoCompile, AutoXLA
+
+
+def refuse_under_outer_transform(backend: Backend, family: str, operator: str) -> None:
+    """Raise ``UnsupportedOperatorError`` when ``backend``'s result cannot be seen through."""
+    if composes(backend, family):
+        return
+    if isinstance(backend, AutoSparse) and family in _SPARSE_FAMILIES:
+        why = (
+            "its result is a sparse CSR tensor assembled from compressed passes, which outer transforms "
+            "can neither batch nor differentiate"
+        )
+        instead = f"a dense backend: AutoSparse's dense backend {backend.dense!r} (when it is eager), or {COMPOSING_BACKENDS}"
+    else:
+        why = (
+            "a compiled program (torch.compile, torch-xla) can be neither differentiated again nor batched from "
+            "outside, so the outer transform would see a constant"
+        )
+        instead = (
+            f"{COMPOSING_BACKENDS}; or compile the whole computation instead: AutoCompile() as the OUTER backend "
+            "traces eager operators called inside f into one program (torchdi.gradient(loss, torchdi.AutoCompile(), "
+            "params) where loss calls torchdi.hvp(u, torchdi.AutoFunc(), x, ...)), and torchdi.DifferentiateWith(f, "
+            f"{backend!r}) gives a compiled f whose derivatives outer transforms see"
+        )
+    raise UnsupportedOperatorError(
+        f"{operator} with {backend!r} was called under an outer transform (a torch.func transform such as vmap or "
+        "grad, torch.compile, or torch.autograd: grad mode is on and x, a context tensor or a tensor f reads "
+        f"requires grad): {why}. Backends that compose: {instead}. If the result is not to be differentiated, "
+        "pass x.detach() and detached contexts, call it under torch.no_grad(), or pass out=."
+    )
+
+
+def functorch_safe(backend: Backend) -> Backend:
+    """``backend`` with every ``AutoAutograd`` replaced by ``AutoFunc()``: what runs under a
+    ``torch.func`` transform or dynamo, where ``torch.autograd.grad`` cannot."""
+    if isinstance(backend, AutoAutograd):
+        return AutoFunc()
+    if isinstance(backend, SecondOrder):
+        return SecondOrder(functorch_safe(backend.outer), functorch_safe(backend.inner))
+    if isinstance(backend, AutoSparse):
+        return replace(backend, dense=functorch_safe(backend.dense))
+    return backend
+
+
+def needs_functorch_safe(backend: Backend) -> bool:
+    """Whether ``backend`` runs ``torch.autograd.grad`` somewhere (see ``functorch_safe``)."""
+    return functorch_safe(backend) != backend
+
+
+def under_functorch_or_dynamo() -> bool:
+    """Whether a ``torch.func`` transform is active or dynamo is tracing."""
+    return _maybe_current_level() is not None or _is_compiling()
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``torch.func``'s wrappers (all batch entries of a ``vmap``ped tensor):
+    what a value comparison may read without a batching rule."""
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t
