@@ -4,7 +4,8 @@
 - rule 2: eager preps compile nothing (``num_compilations == 0``, never growing);
 - rule 4: a Prep keeps no reference to the user's ``x``, tangents or context values;
 - rule 5: ``x``, tangents and ``Constant`` values are bit-identical after every call, a ``x``
-  that requires grad is left alone, and results are plain tensors (no ``grad_fn``).
+  that requires grad is left alone, and results are plain tensors (no ``grad_fn``) unless an
+  outer transform differentiates them (rule 10, tests/test_composition.py).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def test_rule5_inputs_are_bit_identical_and_results_plain(op, backend_id):
 
 @pytest.mark.parametrize("backend", VALUES, ids=IDS)
 def test_rule5_parameter_x_is_not_modified(backend):
+    """x is never modified; without grad mode (or with out=) results are plain tensors, and with
+    grad mode on they are differentiable through x (rule 10), equal to torch.autograd's."""
     w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
     before = w.detach().clone()
     c = torch.tensor(2.0, dtype=torch.float64)
@@ -190,30 +193,41 @@ def test_rule5_parameter_x_is_not_modified(backend):
     def f(p, scale):
         return (scale * p**3).sum()
 
-    with torch.enable_grad():
+    with torch.no_grad():
         g = torchdi.gradient(f, backend, w, Constant(c))
         y, g2 = torchdi.value_and_gradient(f, backend, w, Constant(c))
         h = torchdi.hessian(f, backend, w, Constant(c))
         (hv,) = torchdi.hvp(f, backend, w, (torch.ones(3, dtype=torch.float64),), Constant(c))
+    with torch.enable_grad():
+        g_out = torchdi.gradient(f, backend, w, Constant(c), out=torch.empty(3, dtype=torch.float64))
+        g_tracked = torchdi.gradient(f, backend, w, Constant(c))
     assert torch.equal(w.detach(), before)
     assert w.grad is None and w.requires_grad and isinstance(w, nn.Parameter)
-    for leaf in (g, y, g2, h, hv):
+    for leaf in (g, y, g2, h, hv, g_out):
         assert leaf.grad_fn is None and not leaf.requires_grad
     torch.testing.assert_close(g, 6 * before**2, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.diagonal(h), 12 * before, rtol=1e-3, atol=1e-3)
+    # d/dw sum(6 c w^2 / 2) = 12 w: the outer derivative through the gradient
+    (outer,) = torch.autograd.grad(g_tracked.sum(), w)
+    torch.testing.assert_close(outer, 12 * before, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", [AutoAutograd(), AutoFunc(), AutoFiniteDiff()], ids=["autograd", "func", "fd"])
-def test_rule5_constant_that_requires_grad_is_not_tracked(backend):
+def test_rule5_constant_that_requires_grad_is_not_modified_and_is_seen_through(backend):
     scale = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
     x = torch.tensor([0.5, -1.0], dtype=torch.float64)
-    with torch.enable_grad():
+    with torch.no_grad():
         y, g = torchdi.value_and_gradient(lambda v, s: (s * v**2).sum(), backend, x, Constant(scale))
         jac = torchdi.jacobian(lambda v, s: s * v, backend, x, Constant(scale))
     for leaf in (y, g, jac):
         assert leaf.grad_fn is None and not leaf.requires_grad
     assert scale.grad is None
     torch.testing.assert_close(g, 2 * scale.detach() * x, rtol=1e-5, atol=1e-6)
+    # With grad mode on, the outer derivative flows through the Constant (rule 10): d/ds sum(2 s x) = 2 x.
+    g = torchdi.gradient(lambda v, s: (s * v**2).sum(), backend, x, Constant(scale))
+    (outer,) = torch.autograd.grad(g.sum(), scale)
+    torch.testing.assert_close(outer, 2 * x, rtol=1e-5, atol=1e-6)
+    assert torch.equal(scale.detach(), torch.tensor([1.0, 2.0], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("backend", VALUES[:5], ids=IDS[:5])

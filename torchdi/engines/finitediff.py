@@ -37,6 +37,8 @@ def _magnitude_along(x: Any, direction: Any) -> float:
 def _batched(tree: Any) -> bool:
     """Whether a leaf of ``tree`` is wrapped by ``torch.func`` (under ``vmap`` its values differ per
     batch entry, so a step size read with ``float()`` cannot be taken: ``.item()`` is refused)."""
+    if torch.compiler.is_compiling():  # dynamo: a float() of a value would break the graph
+        return True
     return any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in pytree.tree_leaves(tree))
 
 

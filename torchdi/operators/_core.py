@@ -333,7 +333,8 @@ def _prepare_operator(
 ) -> Prep:
     from torchdi.engines import engine_for
 
-    if torch.is_inference_mode_enabled():
+    compiling = torch.compiler.is_compiling()  # dynamo traces this call: see _transparent
+    if not compiling and torch.is_inference_mode_enabled():
         # The user's outer context, not a request to drop derivatives: under inference_mode
         # autograd records nothing and every derivative would silently be zero.
         with torch.inference_mode(False):
@@ -346,8 +347,9 @@ def _prepare_operator(
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
     kinds = context_kinds(contexts)
     _check_state(family, backend, values, kinds, operator)
-    x = _without_inference_tensors(x)
-    values = _without_inference_tensors(values)
+    if not compiling:  # (no inference tensors reach a trace)
+        x = _without_inference_tensors(x)
+        values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
@@ -358,7 +360,7 @@ def _prepare_operator(
         _transparent.refuse_under_outer_transform(backend, family, operator)
     try:
         # The caller's grad mode (rule 10): f may call torch.autograd itself.
-        with _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+        with _refuse_mutation(x, values, kinds, operator), _unless(compiling, refuse_data_parallel, operator):
             y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
     except Exception as error:
         note = None if seen_by_f is None else _translation_note(values)
@@ -428,6 +430,11 @@ def _prepare_operator(
         safe = _transparent.functorch_safe(backend)
         prep.functorch_factory = lambda: build_runner(safe, family, bound, spec)
     return prep
+
+
+def _unless(skip: bool, manager: Callable[[str], contextlib.AbstractContextManager[None]], operator: str) -> contextlib.AbstractContextManager[None]:
+    """``manager(operator)``, or nothing while dynamo traces (a global module hook is no graph op)."""
+    return contextlib.nullcontext() if skip else manager(operator)
 
 
 def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:
@@ -522,6 +529,8 @@ def run_operator(
     With ``value=False`` the value part may be ``None`` (the caller drops it). ``detached=True``
     (an ``out=`` call) says the result is not differentiated by outer autograd.
     """
+    if torch.compiler.is_compiling():  # dynamo traces f's call of this operator: no bookkeeping
+        return _run_traced(family, operator, f, backend, x, tangents, contexts, prep)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):  # see prepare_operator
             return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached)
@@ -553,6 +562,26 @@ def run_operator(
         return call(x_run, batched, values)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+
+
+def _run_traced(
+    family: str, operator: str, f: Callable[..., Any], backend: Backend, x: Any, tangents: Any, contexts: Sequence[Any], prep: Prep | None
+) -> tuple[Any, ...]:
+    """``run_operator`` while dynamo traces it (``torch.compile`` of a function that calls an
+    operator, or a compiled torchdi backend whose ``f`` calls one): the runner, traced into the
+    caller's graph with nothing that would break it (inference-mode checks, value comparisons,
+    side-effect restores); the argument checks and the strict check are plain Python that
+    dynamo evaluates once, at trace time."""
+    _transparent.refuse_under_outer_transform(backend, family, operator)
+    if prep is None:
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False)
+        values = tuple(c.value for c in contexts)
+    else:
+        values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if prep.strict else None
+        if received is None or not prep.serves(family, f, backend, received):
+            prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
+    return _run_transparent(family, operator, prep, x, tangents, values)
 
 
 def _run_transparent(family: str, operator: str, prep: Prep, x: Any, tangents: Any, values: tuple[Any, ...]) -> tuple[Any, ...]:

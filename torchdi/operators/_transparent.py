@@ -94,7 +94,7 @@ def outer_transform_active(x: Any, values: tuple[Any, ...], reads_tracked: bool,
     """Whether a ``torch.func`` transform, dynamo, or ``torch.autograd`` may differentiate or batch
     this call's result (see the module docstring). O(1) plus a look at ``x``'s and the contexts'
     top-level tensors."""
-    if _maybe_current_level() is not None or _is_compiling():
+    if _is_compiling() or _maybe_current_level() is not None:  # (dynamo cannot call the latter)
         return True
     if detached or not torch.is_grad_enabled():
         return False
@@ -160,7 +160,7 @@ def needs_functorch_safe(backend: Backend) -> bool:
 
 def under_functorch_or_dynamo() -> bool:
     """Whether a ``torch.func`` transform is active or dynamo is tracing."""
-    return _maybe_current_level() is not None or _is_compiling()
+    return _is_compiling() or _maybe_current_level() is not None
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
