@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -82,6 +83,28 @@ def _forget_float_specializations() -> None:
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
     return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821  (the entry's own global)
+
+
+def _aot_eager_verdict(entry: Callable[..., Any], arguments: tuple[Any, Any, Any], fullgraph: bool) -> str:
+    """After inductor failed: whether ``compiler="aot_eager"`` compiles the same entry point (tried
+    once, on a copy of the arguments), and so what to use instead."""
+    try:
+        with torch.compiler.set_stance("default"):
+            torch.compile(entry, backend="aot_eager", fullgraph=fullgraph, dynamic=False)(*pytree.tree_map(
+                lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, arguments
+            ))
+    except Exception as error:  # noqa: BLE001  (the verdict only chooses the advice)
+        first = str(error).strip().splitlines()[:1]
+        return (
+            "compiler=\"aot_eager\" fails on this graph too (" + " ".join(first)[:300] + "): run it eagerly with "
+            "AutoFunc() (for a PINN, a Laplacian from td.hvp along the coordinate directions compiles where "
+            "td.hessian of each point does not)."
+        )
+    return (
+        "compiler=\"aot_eager\" compiles this graph (AOTAutograd's graph run by eager kernels, tried just now): "
+        "use AutoCompile(compiler=\"aot_eager\"). Graphs of nested derivatives (an f that calls another operator or "
+        "a torch.func transform) hit such inductor failures."
+    )
 
 
 def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -272,6 +295,17 @@ class CompiledRunner:
                 "data-dependent Python control flow and calls into non-PyTorch libraries are the usual "
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
+            ) from error
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            if self.backend.compiler != "inductor":
+                raise
+            # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
+            # nested derivatives (a PINN's Laplacian, forward-over-reverse through views) that
+            # aot_eager compiles: say which compiler works instead of a torch internal assert.
+            reason = " ".join(str(error).strip().splitlines()[:3])
+            raise RuntimeError(
+                f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
+                f"compiler on this graph, not of f): {reason}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
         self.prepared = True
         if self.num_ops == 0:

@@ -56,6 +56,17 @@ def _jvp_through_contexts(f: Any, x: Any, tx: Any, contexts: tuple[Any, ...]) ->
     return _jvp(with_contexts, (x, *tensors), (tx, *(torch.zeros_like(t) for t in tensors)))
 
 
+def _vmap_shared_value(along: Any, tangents: Any) -> tuple[Any, Any]:
+    """``vmap(along)(tangents)`` for ``along`` returning ``(value, per-tangent result)`` where the
+    value does not depend on the tangent: returned once (``out_dims=None``). Under an outer
+    ``torch.func`` transform (DESIGN rule 10) functorch may still wrap that value at the inner
+    level, which ``out_dims=None`` refuses: it is then batched and its first entry taken."""
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+        return cast(tuple[Any, Any], vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tangents))
+    value, result = vmap(along, randomness=_RANDOMNESS)(tangents)
+    return _first(value), result
+
+
 def _first(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t[0], tree)
 
@@ -107,7 +118,7 @@ class FuncEngine:
             if single:
                 y, dy = along(_first(tx))
                 return y, _add_batch(dy)
-            y, dy = vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
+            y, dy = _vmap_shared_value(along, tx)
             return y, dy
 
         return run
@@ -178,7 +189,7 @@ class FuncEngine:
             if single:
                 g, hv = along(_first(tx))
                 return g, _add_batch(hv)
-            return vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tx)
+            return _vmap_shared_value(along, tx)
 
         return run
 

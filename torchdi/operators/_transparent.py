@@ -116,12 +116,15 @@ def refuse_under_outer_transform(backend: Backend, family: str, operator: str) -
     """Raise ``UnsupportedOperatorError`` when ``backend``'s result cannot be seen through."""
     if composes(backend, family):
         return
+    # While dynamo traces, a dataclass repr (its recursion guard reads the thread id) would break
+    # the graph before the message is raised: name the backend by its type then.
+    shown = type(backend).__name__ if _is_compiling() else repr(backend)
     if isinstance(backend, AutoSparse) and family in _SPARSE_FAMILIES:
         why = (
             "its result is a sparse CSR tensor assembled from compressed passes, which outer transforms "
             "can neither batch nor differentiate"
         )
-        instead = f"a dense backend: AutoSparse's dense backend {backend.dense!r} (when it is eager), or {COMPOSING_BACKENDS}"
+        instead = f"a dense backend: AutoSparse's dense backend (when it is eager), or {COMPOSING_BACKENDS}"
     else:
         why = (
             "a compiled program (torch.compile, torch-xla) can be neither differentiated again nor batched from "
@@ -131,10 +134,10 @@ def refuse_under_outer_transform(backend: Backend, family: str, operator: str) -
             f"{COMPOSING_BACKENDS}; or compile the whole computation instead: AutoCompile() as the OUTER backend "
             "traces eager operators called inside f into one program (torchdi.gradient(loss, torchdi.AutoCompile(), "
             "params) where loss calls torchdi.hvp(u, torchdi.AutoFunc(), x, ...)), and torchdi.DifferentiateWith(f, "
-            f"{backend!r}) gives a compiled f whose derivatives outer transforms see"
+            f"{shown}) gives a compiled f whose derivatives outer transforms see"
         )
     raise UnsupportedOperatorError(
-        f"{operator} with {backend!r} was called under an outer transform (a torch.func transform such as vmap or "
+        f"{operator} with {shown} was called under an outer transform (a torch.func transform such as vmap or "
         "grad, torch.compile, or torch.autograd: grad mode is on and x, a context tensor or a tensor f reads "
         f"requires grad): {why}. Backends that compose: {instead}. If the result is not to be differentiated, "
         "pass x.detach() and detached contexts, call it under torch.no_grad(), or pass out=."

@@ -1,0 +1,438 @@
+"""DESIGN rule 10: operators compose with torch.func transforms, torch.autograd and torch.compile.
+
+Every eager backend (and SecondOrder pairs of them) under vmap, grad, jacrev, jacfwd, jvp, vjp,
+hessian and torch.autograd, compared with torch.func / torch.autograd references; nested
+torchdi operators (a PINN, a gradient penalty, MAML) on every pairing; compiled backends either
+give the outer derivative or refuse at once (never a zero); torch.compile around operators
+without graph breaks; preparation with the caller's grad mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils import _pytree as pytree
+
+import torchdi as td
+from torchdi import AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, AutoSparse, AutoXLA, SecondOrder
+from torchdi.operators import _transparent
+
+DT = torch.float64
+EAGER: dict[str, Any] = {
+    "autograd": AutoAutograd(),
+    "func": AutoFunc(),
+    "fd": AutoFiniteDiff(),
+    "so_func_func": SecondOrder(AutoFunc(), AutoFunc()),
+    "so_autograd_func": SecondOrder(AutoAutograd(), AutoFunc()),
+    "so_autograd_autograd": SecondOrder(AutoAutograd(), AutoAutograd()),
+    "so_fd_func": SecondOrder(AutoFiniteDiff(), AutoFunc()),
+}
+EAGER_IDS, EAGER_VALUES = list(EAGER), list(EAGER.values())
+AOT = AutoCompile(compiler="aot_eager")
+
+
+def tol(backend: Any) -> dict[str, float]:
+    """Finite differences are approximate; AD backends agree to rounding."""
+    fd = "FiniteDiff" in repr(backend)
+    return {"rtol": 1e-5, "atol": 1e-5} if fd else {"rtol": 1e-9, "atol": 1e-10}
+
+
+def close(got: Any, want: Any, backend: Any) -> None:
+    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(g, w, **tol(backend))
+
+
+def f_scalar(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (c * torch.sin(x) ** 2).sum() + (x[0] * x[-1]) ** 2
+
+
+def f_vec(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(c * x).sin().sum(), (x**2 * c).sum(), x.prod()])
+
+
+def f_of_t(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.sin(t * c) * t**2
+
+
+def _x(seed: int = 0) -> torch.Tensor:
+    return torch.randn(3, dtype=DT, generator=torch.Generator().manual_seed(seed))
+
+
+C = torch.tensor([0.7, -1.3, 2.0], dtype=DT)
+V = torch.tensor([1.0, 0.5, -2.0], dtype=DT)
+
+# family -> (call(backend, x, c) -> the derivative, reference(x, c) by torch.func)
+FAMILIES: dict[str, tuple[Any, Any]] = {
+    "gradient": (lambda b, x, c: td.gradient(f_scalar, b, x, td.Constant(c)), lambda x, c: grad(f_scalar)(x, c)),
+    "jacobian": (lambda b, x, c: td.jacobian(f_vec, b, x, td.Constant(c)), lambda x, c: jacrev(f_vec)(x, c)),
+    "hessian": (lambda b, x, c: td.hessian(f_scalar, b, x, td.Constant(c)), lambda x, c: hessian(f_scalar)(x, c)),
+    "hvp": (
+        lambda b, x, c: td.hvp(f_scalar, b, x, (V,), td.Constant(c))[0],
+        lambda x, c: jvp(lambda x_: grad(f_scalar)(x_, c), (x,), (V,))[1],
+    ),
+    "pushforward": (
+        lambda b, x, c: td.pushforward(f_vec, b, x, (V,), td.Constant(c))[0],
+        lambda x, c: jvp(lambda x_: f_vec(x_, c), (x,), (V,))[1],
+    ),
+    "pullback": (
+        lambda b, x, c: td.pullback(f_vec, b, x, (V,), td.Constant(c))[0],
+        lambda x, c: vjp(lambda x_: f_vec(x_, c), x)[1](V)[0],
+    ),
+    "derivative": (
+        lambda b, x, c: td.derivative(f_of_t, b, x[0], td.Constant(c)),
+        lambda x, c: jvp(lambda t: f_of_t(t, c), (x[0],), (torch.ones((), dtype=DT),))[1],
+    ),
+    "second_derivative": (
+        lambda b, x, c: td.second_derivative(f_of_t, b, x[0], td.Constant(c)),
+        lambda x, c: jvp(lambda t: jvp(lambda s: f_of_t(s, c), (t,), (torch.ones((), dtype=DT),))[1], (x[0],), (torch.ones((), dtype=DT),))[1],
+    ),
+}
+FAMILY_IDS = list(FAMILIES)
+SECOND_ORDER = {"hessian", "hvp", "second_derivative"}
+
+
+def skip_fd_third_order(backend: Any, family: str) -> None:
+    """Finite differences of finite differences of second derivatives lose every digit."""
+    if "FiniteDiff" in repr(backend) and family in SECOND_ORDER:
+        pytest.skip("an outer derivative of a finite-difference second derivative is a third difference")
+
+
+# --------------------------------------------------------------------------- vmap
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_vmap_over_every_operator(backend, family):
+    call, reference = FAMILIES[family]
+    xs = torch.stack([_x(i) for i in range(4)])
+    cs = torch.stack([C * (1 + i) for i in range(4)])
+    got = vmap(lambda x, c: call(backend, x, c))(xs, cs)
+    want = torch.stack([reference(x, c) for x, c in zip(xs, cs)])
+    close(got, want, backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_vmap_over_a_prepared_operator(backend):
+    xs = torch.stack([_x(i) for i in range(5)])
+    prep = td.prepare_hessian(f_scalar, backend, xs[0], td.Constant(C))
+    got = vmap(lambda x: td.hessian(f_scalar, backend, x, td.Constant(C), prep=prep))(xs)
+    close(got, vmap(hessian(f_scalar), in_dims=(0, None))(xs, C), backend)
+    # a wrong shape under vmap still gets the strict check's message
+    with pytest.raises(td.PreparationMismatchError):
+        vmap(lambda x: td.hessian(f_scalar, backend, x[:2], td.Constant(C), prep=prep))(xs)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_vmap_still_refuses_writes_into_x(backend):
+    def writes(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return (x**2).sum()
+
+    xs = torch.stack([_x(i) for i in range(3)])
+    before = xs.clone()
+    with pytest.raises(ValueError, match="wrote in place into x"):
+        vmap(lambda x: td.gradient(writes, backend, x))(xs)
+    assert torch.equal(xs, before)
+
+
+def test_per_sample_gradients_of_a_cnn_match_torch_func():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    ).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    images, labels = torch.randn(8, 1, 8, 8, dtype=DT), torch.randint(0, 10, (8,))
+
+    def loss(p: dict[str, torch.Tensor], image: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, p, (image.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(logits, label.unsqueeze(0))
+
+    want = vmap(grad(loss), in_dims=(None, 0, 0))(params, images, labels)
+    for backend in (AutoFunc(), AutoAutograd()):
+        prep = td.prepare_gradient(loss, backend, params, td.Constant(images[0]), td.Constant(labels[0]))
+        got = vmap(
+            lambda i, l: td.gradient(loss, backend, params, td.Constant(i), td.Constant(l), prep=prep)  # noqa: B023
+        )(images, labels)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k])
+
+
+# --------------------------------------------------------------------------- torch.func transforms
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_outer_jacrev_and_jacfwd_see_x_and_the_context(backend, family):
+    """Mixed partials: the outer jacobian of the operator's result w.r.t. x and w.r.t. a Constant."""
+    skip_fd_third_order(backend, family)
+    call, reference = FAMILIES[family]
+    x = _x()
+    for outer in (jacrev, jacfwd):
+        got_x = outer(lambda x_: call(backend, x_, C))(x)
+        got_c = outer(lambda c_: call(backend, x, c_))(C)
+        close(got_x, jacfwd(lambda x_: reference(x_, C))(x), backend)
+        close(got_c, jacfwd(lambda c_: reference(x, c_))(C), backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_outer_grad_vjp_jvp_hessian(backend):
+    x = _x()
+    s = lambda x_: td.gradient(f_scalar, backend, x_, td.Constant(C)).pow(2).sum()  # noqa: E731
+    ref = lambda x_: grad(f_scalar)(x_, C).pow(2).sum()  # noqa: E731
+    close(grad(s)(x), grad(ref)(x), backend)
+    close(vjp(s, x)[1](torch.tensor(1.0, dtype=DT)), vjp(ref, x)[1](torch.tensor(1.0, dtype=DT)), backend)
+    close(jvp(s, (x,), (V,)), jvp(ref, (x,), (V,)), backend)
+    y = lambda x_: td.value_and_gradient(f_scalar, backend, x_, td.Constant(C))[0]  # noqa: E731
+    if "FiniteDiff" not in repr(backend):
+        close(hessian(y)(x), hessian(f_scalar)(x, C), backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_outer_grad_through_a_tensor_f_closes_over(backend):
+    x = _x()
+
+    def outer(c: torch.Tensor) -> torch.Tensor:
+        return td.gradient(lambda x_: f_scalar(x_, c), backend, x).sum()
+
+    close(grad(outer)(C), grad(lambda c: grad(f_scalar)(x, c).sum())(C), backend)
+
+
+# --------------------------------------------------------------------------- torch.autograd
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_torch_autograd_through_x_and_a_context(backend, family):
+    skip_fd_third_order(backend, family)
+    call, reference = FAMILIES[family]
+    x, c = _x().requires_grad_(), C.clone().requires_grad_()
+    got = torch.autograd.grad(call(backend, x, c).sum(), (x, c))
+    x_ref, c_ref = x.detach().requires_grad_(), c.detach().requires_grad_()
+    want = torch.autograd.grad(reference(x_ref, c_ref).sum(), (x_ref, c_ref))
+    close(got, want, backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_torch_autograd_through_a_parameter_f_closes_over(backend):
+    """Only the closure requires grad: seen at preparation, the result is still differentiable."""
+    c = torch.nn.Parameter(C.clone())
+    x = _x()
+
+    def f(x_: torch.Tensor) -> torch.Tensor:
+        return f_scalar(x_, c)
+
+    prep = td.prepare_gradient(f, backend, x)
+    g = td.gradient(f, backend, x, prep=prep)
+    (got,) = torch.autograd.grad(g.sum(), c)
+    c_ref = C.clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(f_scalar(x_ref, c_ref), x_ref, create_graph=True)
+    (want,) = torch.autograd.grad(g_ref.sum(), c_ref)
+    close(got, want, backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_out_and_no_grad_keep_the_plain_fast_path(backend):
+    """A training loop's call (out=, or no grad mode) returns plain tensors even when x requires grad."""
+    x = _x().requires_grad_()
+    g_out = td.gradient(f_scalar, backend, x, td.Constant(C), out=torch.empty(3, dtype=DT))
+    with torch.no_grad():
+        g_plain = td.gradient(f_scalar, backend, x, td.Constant(C))
+    for g in (g_out, g_plain):
+        assert g.grad_fn is None and not g.requires_grad
+        close(g, grad(f_scalar)(x.detach(), C), backend)
+
+
+# --------------------------------------------------------------------------- nested torchdi: PINN, penalty, MAML
+
+PINN_OUTER: dict[str, Any] = {"autograd": AutoAutograd(), "func": AutoFunc(), "compile_aot_eager": AOT}
+PINN_INNER: dict[str, Any] = {k: v for k, v in EAGER.items() if k in ("autograd", "func", "fd", "so_func_func", "so_autograd_func")}
+
+
+def _pinn() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model, params, torch.randn(16, 2, dtype=DT)
+
+
+@pytest.mark.parametrize("inner", list(PINN_INNER.values()), ids=list(PINN_INNER))
+@pytest.mark.parametrize("outer", list(PINN_OUTER.values()), ids=list(PINN_OUTER))
+def test_pinn_parameter_gradient_of_an_input_laplacian(outer, inner):
+    model, params, points = _pinn()
+    basis = torch.eye(2, dtype=DT)
+
+    def u(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return functional_call(model, p, (x,)).sum()  # points are independent: sum, then per-point HVPs
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        hv = td.hvp(u, inner, points, tuple(basis[i].expand_as(points) for i in range(2)), td.Constant(p))
+        return ((hv[0][:, 0] + hv[1][:, 1]) ** 2).mean()
+
+    def loss_ref(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        lap = vmap(lambda x: torch.trace(hessian(lambda x_: functional_call(model, p, (x_,)).squeeze())(x)))(points)
+        return (lap**2).mean()
+
+    want = grad(loss_ref)(params)
+    prep = td.prepare_gradient(loss, outer, params)
+    got = td.gradient(loss, outer, params, prep=prep)
+    assert sum(float(v.abs().sum()) for v in got.values()) > 0
+    close(got, want, inner)
+    if outer is AOT:  # the inner eager operator is traced into the outer program
+        assert prep.num_compilations == 2  # value_and_gradient's program and gradient's own
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_gradient_penalty_trains_the_critic(backend):
+    torch.manual_seed(1)
+    critic = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    samples = torch.randn(5, 3, dtype=DT)
+
+    def penalty(use_torchdi: bool) -> list[torch.Tensor]:
+        critic.zero_grad()
+        x = samples.clone().requires_grad_()
+        if use_torchdi:
+            g = td.gradient(lambda x_: critic(x_).sum(), backend, x)
+        else:
+            (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        ((g.norm(dim=1) - 1) ** 2).mean().backward()
+        # (the last bias does not reach the input gradient: no .grad, as with torch.autograd)
+        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in critic.parameters()]
+
+    want = penalty(False)
+    got = penalty(True)
+    assert sum(float(g.abs().sum()) for g in got) > 0
+    close(got, want, backend)
+
+
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_maml_outer_gradient_flows_through_the_inner_step(backend):
+    torch.manual_seed(2)
+    w = torch.randn(3, dtype=DT, requires_grad=True)
+    support, query = torch.randn(6, 3, dtype=DT), torch.randn(6, 3, dtype=DT)
+
+    def task_loss(w_: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        return ((data @ w_).tanh() - 0.5).pow(2).mean()
+
+    def meta_grad(use_torchdi: bool) -> torch.Tensor:
+        if use_torchdi:
+            g = td.gradient(task_loss, backend, w, td.Constant(support))
+        else:
+            (g,) = torch.autograd.grad(task_loss(w, support), w, create_graph=True)
+        adapted = w - 0.1 * g
+        (out,) = torch.autograd.grad(task_loss(adapted, query), w)
+        return out
+
+    want, got = meta_grad(False), meta_grad(True)
+    close(got, want, backend)
+    # the second-order term is there: first-order MAML differs
+    first_order = torch.autograd.grad(task_loss(w - 0.1 * grad(task_loss)(w.detach(), support), query), w)[0]
+    assert not torch.allclose(want, first_order)
+
+
+# --------------------------------------------------------------------------- compiled backends: through or refuse
+
+
+REFUSING: dict[str, tuple[Any, str]] = {
+    "compile": (AOT, "gradient"),
+    "compile_autograd": (AutoCompile(inner=AutoAutograd(), compiler="aot_eager", fullgraph=False), "gradient"),
+    "so_compile_func": (SecondOrder(AOT, AutoFunc()), "hvp"),
+    "sparse_func_hessian": (AutoSparse(AutoFunc()), "hessian"),
+    "sparse_func_jacobian": (AutoSparse(AutoFunc()), "jacobian"),
+    "sparse_compile_gradient": (AutoSparse(AOT), "gradient"),
+}
+
+
+@pytest.mark.parametrize(("backend", "family"), list(REFUSING.values()), ids=list(REFUSING))
+@pytest.mark.parametrize("outer", ["vmap", "grad", "autograd", "prepared_then_vmap", "torch_compile"])
+def test_compiled_backends_refuse_at_once_never_a_zero(backend, family, outer):
+    call, _ = FAMILIES[family]
+    x = _x()
+    with pytest.raises(td.UnsupportedOperatorError, match=r"Backends that compose: .*AutoFunc\(\)"):
+        if outer == "vmap":
+            vmap(lambda x_: call(backend, x_, C))(torch.stack([x, x]))
+        elif outer == "grad":
+            grad(lambda c_: call(backend, x, c_).sum())(C)
+        elif outer == "autograd":
+            call(backend, x, C.clone().requires_grad_())
+        elif outer == "prepared_then_vmap":
+            prepare = {"gradient": td.prepare_gradient, "hessian": td.prepare_hessian, "jacobian": td.prepare_jacobian}
+            if family not in prepare:
+                pytest.skip("one prepared family is enough")
+            f = f_vec if family == "jacobian" else f_scalar
+            prep = prepare[family](f, backend, x, td.Constant(C))
+            op = {"gradient": td.gradient, "hessian": td.hessian, "jacobian": td.jacobian}[family]
+            vmap(lambda x_: op(f, backend, x_, td.Constant(C), prep=prep))(torch.stack([x, x]))
+        else:
+            torch._dynamo.reset()
+            torch.compile(lambda x_: call(backend, x_, C), backend="aot_eager", fullgraph=True)(x)
+    # without an outer transform it still works
+    if outer == "autograd" and not (isinstance(backend, AutoSparse) and family in ("jacobian", "hessian")):
+        close(call(backend, x, C), FAMILIES[family][1](x, C), AutoFiniteDiff())
+
+
+def test_composes_classification():
+    assert _transparent.composes(AutoXLA(), "gradient") is False
+    assert _transparent.composes(AutoSparse(AutoXLA()), "gradient") is False
+    assert _transparent.composes(SecondOrder(AutoFiniteDiff(), AutoXLA()), "hvp") is False
+    assert _transparent.composes(AutoSparse(AutoAutograd()), "gradient") is True
+    assert _transparent.composes(AutoSparse(AutoAutograd()), "jacobian") is False
+    assert all(_transparent.composes(b, "hessian") for b in EAGER_VALUES)
+
+
+def test_autograd_is_run_by_torch_func_under_transforms():
+    assert _transparent.functorch_safe(SecondOrder(AutoAutograd(), AutoAutograd())) == SecondOrder(AutoFunc(), AutoFunc())
+    assert _transparent.functorch_safe(AutoSparse(AutoAutograd())) == AutoSparse(AutoFunc())
+    assert _transparent.functorch_safe(AutoFiniteDiff()) == AutoFiniteDiff()
+
+
+# --------------------------------------------------------------------------- torch.compile around operators
+
+
+@pytest.mark.parametrize("family", ["gradient", "hvp", "jacobian", "second_derivative"])
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_torch_compile_around_operators_has_no_graph_break(backend, family):
+    call, reference = FAMILIES[family]
+    x = _x()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda x_: call(backend, x_, C) * 2)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    torch._dynamo.reset()
+    got = torch.compile(lambda x_: call(backend, x_, C) * 2, backend="aot_eager", fullgraph=True)(x)
+    close(got, 2 * reference(x, C), backend)
+
+
+def test_torch_compile_around_a_prepared_operator_has_no_graph_break():
+    x = _x()
+    prep = td.prepare_hvp(f_scalar, AutoFunc(), x, (V,), td.Constant(C))
+    step = lambda x_: td.hvp(f_scalar, AutoFunc(), x_, (V,), td.Constant(C), prep=prep)[0]  # noqa: E731
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(step)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for seed in (1, 2):
+        close(compiled(_x(seed)), FAMILIES["hvp"][1](_x(seed), C), AutoFunc())
+
+
+# --------------------------------------------------------------------------- preparation with the caller's grad mode
+
+
+@pytest.mark.parametrize("backend", [AutoAutograd(), AutoFiniteDiff()], ids=["autograd", "fd"])
+def test_f_may_call_torch_autograd_itself(backend):
+    """A gradient-penalty style f that calls torch.autograd.grad(create_graph=True) prepares and runs."""
+
+    def input_gradient_norm(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+        p = points.detach().requires_grad_()
+        (g,) = torch.autograd.grad((p @ w).tanh().sum(), p, create_graph=True)
+        return g.pow(2).sum()
+
+    w, points = _x(), torch.randn(4, 3, dtype=DT)
+    prep = td.prepare_gradient(input_gradient_norm, backend, w, td.Constant(points))
+    got = td.gradient(input_gradient_norm, backend, w, td.Constant(points), prep=prep)
+    want = grad(lambda w_: (((1 - (points @ w_).tanh() ** 2)[:, None] * w_) ** 2).sum())(w)
+    close(got, want, backend)
