@@ -17,7 +17,15 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp,
 from torch.utils import _pytree as pytree
 
 import torchdi as td
-from torchdi import AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, AutoSparse, AutoXLA, SecondOrder
+from torchdi import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    AutoSparse,
+    AutoXLA,
+    SecondOrder,
+)
 from torchdi.operators import _transparent
 
 DT = torch.float64
@@ -154,7 +162,7 @@ def test_per_sample_gradients_of_a_cnn_match_torch_func():
     for backend in (AutoFunc(), AutoAutograd()):
         prep = td.prepare_gradient(loss, backend, params, td.Constant(images[0]), td.Constant(labels[0]))
         got = vmap(
-            lambda i, l: td.gradient(loss, backend, params, td.Constant(i), td.Constant(l), prep=prep)  # noqa: B023
+            lambda image, label: td.gradient(loss, backend, params, td.Constant(image), td.Constant(label), prep=prep)  # noqa: B023
         )(images, labels)
         for k in want:
             torch.testing.assert_close(got[k], want[k])

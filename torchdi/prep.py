@@ -175,8 +175,6 @@ class Prep:
         "backend",
         "call",
         "f",
-        "functorch_factory",
-        "functorch_runner",
         "keep_static",
         "lean_call",
         "lean_factory",
@@ -184,8 +182,10 @@ class Prep:
         "operator",
         "output_shape",
         "reads_tracked",
+        "rebuild",
         "runner",
         "strict",
+        "transparent_runners",
     )
 
     def __init__(
@@ -216,11 +216,12 @@ class Prep:
         self.keep_static = keep_static
         self.output_shape = output_shape
         # Rule 10 (torchdi.operators._transparent): whether f read a tensor that requires grad
-        # besides x at preparation, and the runner that serves calls under torch.func transforms
-        # and dynamo when this one runs torch.autograd.grad (built on first use).
+        # besides x at preparation, and the runners that serve calls under outer transforms when
+        # this one does not fit (torch.autograd.grad under torch.func transforms and dynamo, the
+        # plain gradient without its value): rebuild(functorch_safe, lean), built on first use.
         self.reads_tracked = False
-        self.functorch_factory: Callable[[], Callable[..., Any]] | None = None
-        self.functorch_runner: Callable[..., Any] | None = None
+        self.rebuild: Callable[[bool, bool], Callable[..., Any]] | None = None
+        self.transparent_runners: dict[tuple[bool, bool], Callable[..., Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

@@ -93,7 +93,7 @@ def _aot_eager_verdict(entry: Callable[..., Any], arguments: tuple[Any, Any, Any
             torch.compile(entry, backend="aot_eager", fullgraph=fullgraph, dynamic=False)(*pytree.tree_map(
                 lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, arguments
             ))
-    except Exception as error:  # noqa: BLE001  (the verdict only chooses the advice)
+    except Exception as error:
         first = str(error).strip().splitlines()[:1]
         return (
             "compiler=\"aot_eager\" fails on this graph too (" + " ".join(first)[:300] + "): run it eagerly with "
@@ -302,10 +302,10 @@ class CompiledRunner:
             # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
             # nested derivatives (a PINN's Laplacian, forward-over-reverse through views) that
             # aot_eager compiles: say which compiler works instead of a torch internal assert.
-            reason = " ".join(str(error).strip().splitlines()[:3])
+            failure = " ".join(str(error).strip().splitlines()[:3])
             raise RuntimeError(
                 f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
-                f"compiler on this graph, not of f): {reason}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
+                f"compiler on this graph, not of f): {failure}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
         self.prepared = True
         if self.num_ops == 0:

@@ -100,7 +100,8 @@ class FiniteDiffEngine:
                     safe = torch.where(norm_t == 0, torch.ones_like(norm_t), norm_t)
                     h_t = relative * (1.0 + _magnitude_along_tensor(x, direction) / safe) / safe
                     quotient = self._difference(f, x, y, direction, h_t, contexts)
-                    columns.append(pytree.tree_map(lambda q: torch.where(norm_t == 0, torch.zeros_like(q), q), quotient))
+                    zero = norm_t == 0
+                    columns.append(pytree.tree_map(lambda q, zero=zero: torch.where(zero, torch.zeros_like(q), q), quotient))
                     continue
                 norm = _max_abs(direction)
                 if norm == 0.0:

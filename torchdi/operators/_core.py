@@ -424,11 +424,17 @@ def _prepare_operator(
         lean,
     )
     prep.reads_tracked = reads_tracked
-    if _transparent.needs_functorch_safe(backend) and spec.x.numel and spec.y.numel:
-        # Under torch.func transforms and dynamo torch.autograd.grad cannot run: the same
-        # derivative from torch.func, built on the first such call.
-        safe = _transparent.functorch_safe(backend)
-        prep.functorch_factory = lambda: build_runner(safe, family, bound, spec)
+    if spec.x.numel and spec.y.numel:
+        # Runners for calls under outer transforms, built on the first such call: under torch.func
+        # transforms and dynamo, torch.autograd.grad cannot run (the same derivative from
+        # torch.func instead); the plain gradient skips its value (torch.func.grad, not grad_and_value).
+        safe_backend = _transparent.functorch_safe(backend)
+        plain_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES else spec
+
+        def rebuild(safe: bool, lean: bool) -> Runner:
+            return build_runner(safe_backend if safe else backend, family, bound, plain_spec if lean else spec)
+
+        prep.rebuild = rebuild
     return prep
 
 
@@ -530,7 +536,7 @@ def run_operator(
     (an ``out=`` call) says the result is not differentiated by outer autograd.
     """
     if torch.compiler.is_compiling():  # dynamo traces f's call of this operator: no bookkeeping
-        return _run_traced(family, operator, f, backend, x, tangents, contexts, prep)
+        return _run_traced(family, operator, f, backend, x, tangents, contexts, prep, value)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):  # see prepare_operator
             return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached)
@@ -552,7 +558,7 @@ def run_operator(
     x = _without_inference_tensors(x)
     values = _without_inference_tensors(values)
     if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached):
-        return _run_transparent(family, operator, prep, x, tangents, values)
+        return _run_transparent(family, operator, prep, x, tangents, values, value)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value else prep.plain_call(x_run, batched, values)
@@ -565,7 +571,15 @@ def run_operator(
 
 
 def _run_traced(
-    family: str, operator: str, f: Callable[..., Any], backend: Backend, x: Any, tangents: Any, contexts: Sequence[Any], prep: Prep | None
+    family: str,
+    operator: str,
+    f: Callable[..., Any],
+    backend: Backend,
+    x: Any,
+    tangents: Any,
+    contexts: Sequence[Any],
+    prep: Prep | None,
+    value: bool,
 ) -> tuple[Any, ...]:
     """``run_operator`` while dynamo traces it (``torch.compile`` of a function that calls an
     operator, or a compiled torchdi backend whose ``f`` calls one): the runner, traced into the
@@ -581,18 +595,23 @@ def _run_traced(
         received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if prep.strict else None
         if received is None or not prep.serves(family, f, backend, received):
             prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
-    return _run_transparent(family, operator, prep, x, tangents, values)
+    return _run_transparent(family, operator, prep, x, tangents, values, value)
 
 
-def _run_transparent(family: str, operator: str, prep: Prep, x: Any, tangents: Any, values: tuple[Any, ...]) -> tuple[Any, ...]:
+def _run_transparent(
+    family: str, operator: str, prep: Prep, x: Any, tangents: Any, values: tuple[Any, ...], value: bool = True
+) -> tuple[Any, ...]:
     """Run so that an outer transform sees through the result (DESIGN rule 10, ``_transparent``):
     nothing detached, the caller's grad mode kept (eager runners then build differentiable graphs)."""
     _transparent.refuse_under_outer_transform(prep.backend, family, operator)
     runner = prep.runner
-    if prep.functorch_factory is not None and _transparent.under_functorch_or_dynamo():
-        if prep.functorch_runner is None:
-            prep.functorch_runner = prep.functorch_factory()
-        runner = prep.functorch_runner
+    if prep.rebuild is not None:
+        safe = _transparent.under_functorch_or_dynamo() and _transparent.needs_functorch_safe(prep.backend)
+        key = (safe, not value and family in LEAN_FAMILIES)
+        if key != (False, False):
+            runner = prep.transparent_runners.get(key)  # type: ignore[assignment]
+            if runner is None:
+                runner = prep.transparent_runners[key] = prep.rebuild(*key)
     x_run = _canonical_x(x, family, operator, detach=False)
     batched = None if tangents is None else _batch_tangents(tangents, detach=False)
     return runner(x_run, batched, values)

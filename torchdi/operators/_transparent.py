@@ -38,11 +38,9 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import (
     AutoAutograd,
-    AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
     AutoSparse,
-    AutoXLA,
     Backend,
     SecondOrder,
 )
