@@ -112,7 +112,10 @@ class FuncEngine:
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def along(t: Any) -> tuple[Any, Any]:
-                y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (t,))
+                if spec.inside_forward_mode:  # see _hvp
+                    y, dy = _jvp_through_contexts(f, x, t, contexts)
+                else:
+                    y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (t,))
                 return y, _like_primal(dy, y)
 
             if single:
@@ -184,6 +187,11 @@ class FuncEngine:
             gradient_of = grad(lambda x_: _scalar(f(x_, contexts)))
 
             def along(t: Any) -> tuple[Any, Any]:
+                if spec.inside_forward_mode:
+                    # Nested in an outer transform that dynamo compiles (a PINN's Laplacian under
+                    # AutoCompile's gradient): efficient-zero tangents of closed-over contexts reach
+                    # inductor, which writes into them ("ZeroTensors are immutable").
+                    return _jvp_through_contexts(lambda x_, c: grad(lambda x__: _scalar(f(x__, c)))(x_), x, t, contexts)
                 return _jvp(gradient_of, (x,), (t,))
 
             if single:

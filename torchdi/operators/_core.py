@@ -432,7 +432,10 @@ def _prepare_operator(
         plain_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES else spec
 
         def rebuild(safe: bool, lean: bool) -> Runner:
-            return build_runner(safe_backend if safe else backend, family, bound, plain_spec if lean else spec)
+            # Under dynamo (safe), context tensors enter forward mode as explicit primals: see
+            # Spec.inside_forward_mode and FuncEngine._hvp.
+            chosen = plain_spec if lean else spec
+            return build_runner(safe_backend if safe else backend, family, bound, replace(chosen, inside_forward_mode=True) if safe else chosen)
 
         prep.rebuild = rebuild
     return prep
@@ -606,7 +609,8 @@ def _run_transparent(
     _transparent.refuse_under_outer_transform(prep.backend, family, operator)
     runner = prep.runner
     if prep.rebuild is not None:
-        safe = _transparent.under_functorch_or_dynamo() and _transparent.needs_functorch_safe(prep.backend)
+        # (under dynamo always rebuilt: see rebuild)
+        safe = torch.compiler.is_compiling() or (_transparent.under_functorch_or_dynamo() and _transparent.needs_functorch_safe(prep.backend))
         key = (safe, not value and family in LEAN_FAMILIES)
         if key != (False, False):
             runner = prep.transparent_runners.get(key)  # type: ignore[assignment]
