@@ -117,11 +117,16 @@ def penalty(backend: Any) -> dict[str, Callable[[], Any]]:
     critic = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     samples = torch.randn(64, 16)
 
+    def critic_sum(x: torch.Tensor) -> torch.Tensor:
+        return critic(x).sum()
+
+    prep = td.prepare_gradient(critic_sum, backend, samples)
+
     def step(use_torchdi: bool) -> list[torch.Tensor]:
         critic.zero_grad()
         x = samples.clone().requires_grad_()
         if use_torchdi:
-            g = td.gradient(lambda x_: critic(x_).sum(), backend, x)
+            g = td.gradient(critic_sum, backend, x, prep=prep)
         else:
             (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
         ((g.norm(dim=1) - 1) ** 2).mean().backward()
