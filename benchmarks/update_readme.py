@@ -36,6 +36,7 @@ START, END = "<!-- torchdi-bench:start -->", "<!-- torchdi-bench:end -->"
 SUITES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "compile-overhead": ("compile_overhead.py", None, ()),
     "training": ("training.py", None, ()),
+    "composition": ("composition.py", None, ()),
     # resnet18 needs torchvision, which loads only next to torch 2.9 (the torch-xla environment).
     "training-torch29": ("training.py", ".venv-xla/bin/python", ("--workloads", "resnet18-32px,cnn-batchnorm")),
 }

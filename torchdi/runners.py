@@ -88,7 +88,8 @@ class Spec:
     """What a runner builder may rely on: layouts of ``x`` and ``y``, the number of tangents,
     whether the caller uses the value (``False``: a runner may return ``None`` in its place),
     whether the runner runs inside an outer forward-mode transform (the inner derivative of a
-    generic second derivative), and the positions of the ``State`` contexts (whose in-place
+    generic second derivative, or an operator traced by dynamo under an outer transform: context
+    tensors then enter forward mode as explicit primals), and the positions of the ``State`` contexts (whose in-place
     updates by ``f`` must reach the caller's tensors)."""
 
     x: TreeMeta
