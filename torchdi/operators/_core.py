@@ -598,6 +598,12 @@ def _run_traced(
         received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if prep.strict else None
         if received is None or not prep.serves(family, f, backend, received):
             prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
+    # A view as a scalar x (t[0] of the caller's tensor) given to forward mode trips a torch internal
+    # assert in AOTAutograd ("has_fw_view"; it also leaks the dual level, breaking every later jvp
+    # of the process): the runner sees a copy, differentiable like the view (one element; asking
+    # whether it is a view would break the graph).
+    if family in SCALAR_X and isinstance(x, torch.Tensor):
+        x = x.clone()
     return _run_transparent(family, operator, prep, x, tangents, values, value)
 
 
