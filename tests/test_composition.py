@@ -372,7 +372,13 @@ def test_compiled_backends_refuse_at_once_never_a_zero(backend, family, outer):
         elif outer == "grad":
             grad(lambda c_: call(backend, x, c_).sum())(C)
         elif outer == "autograd":
-            call(backend, x, C.clone().requires_grad_())
+            # torch.autograd alone: the result may be read, and its backward raises
+            c = C.clone().requires_grad_()
+            sparse = isinstance(backend, AutoSparse) and family in ("jacobian", "hessian")
+            result = call(backend, x, c)  # sparse results are refused at once
+            assert not sparse
+            close(result.detach(), FAMILIES[family][1](x, C), AutoFiniteDiff())
+            result.sum().backward()
         elif outer == "prepared_then_vmap":
             prepare = {"gradient": td.prepare_gradient, "hessian": td.prepare_hessian, "jacobian": td.prepare_jacobian}
             if family not in prepare:
@@ -387,6 +393,19 @@ def test_compiled_backends_refuse_at_once_never_a_zero(backend, family, outer):
     # without an outer transform it still works
     if outer == "autograd" and not (isinstance(backend, AutoSparse) and family in ("jacobian", "hessian")):
         close(call(backend, x, C), FAMILIES[family][1](x, C), AutoFiniteDiff())
+
+
+def test_compiled_backend_reading_a_tracked_closure_refuses_at_once():
+    c = torch.nn.Parameter(C.clone())
+
+    def f(x_: torch.Tensor) -> torch.Tensor:
+        return f_scalar(x_, c)
+
+    prep = td.prepare_gradient(f, AOT, _x())
+    with pytest.raises(td.UnsupportedOperatorError, match="Backends that compose"):
+        td.gradient(f, AOT, _x(), prep=prep)
+    with torch.no_grad():
+        close(td.gradient(f, AOT, _x(), prep=prep), grad(f_scalar)(_x(), C), AutoFiniteDiff())
 
 
 def test_composes_classification():

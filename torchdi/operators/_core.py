@@ -544,7 +544,7 @@ def run_operator(
         with torch.inference_mode(False):  # see prepare_operator
             return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached)
     if prep is None:
-        if _transparent.outer_transform_active(x, tuple(c.value for c in contexts if hasattr(c, "value")), False, detached):
+        if _transparent.under_functorch_or_dynamo():  # refused at once, before anything compiles
             _transparent.refuse_under_outer_transform(backend, family, operator)
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
         values = tuple(c.value for c in contexts)
@@ -560,17 +560,23 @@ def run_operator(
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
     x = _without_inference_tensors(x)
     values = _without_inference_tensors(values)
+    attach = None
     if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached):
-        return _run_transparent(family, operator, prep, x, tangents, values, value)
+        if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
+            return _run_transparent(family, operator, prep, x, tangents, values, value)
+        # torch.autograd alone, on a backend that does not compose: the plain results, whose
+        # backward raises (or a refusal at once when they cannot be connected to what requires grad).
+        attach = _transparent.backward_refusal(prep.backend, family, operator, x, values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value else prep.plain_call(x_run, batched, values)
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
     try:
-        return call(x_run, batched, values)
+        result = call(x_run, batched, values)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+    return result if attach is None else attach(result)
 
 
 def _run_traced(

@@ -47,6 +47,7 @@ from torchdi.backends import (
 from torchdi.errors import UnsupportedOperatorError
 
 __all__ = [
+    "backward_refusal",
     "composes",
     "functorch_safe",
     "outer_transform_active",
@@ -170,3 +171,43 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     while _is_wrapped(t):
         t = _get_unwrapped(t)
     return t
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """The results of a compiled backend, connected to the tracked inputs they depend on, whose
+    backward raises: ``torch.autograd`` may still read them (a training loop without ``out=``),
+    but never differentiates through them to a silent zero."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise UnsupportedOperatorError(ctx.message)
+
+
+def backward_refusal(backend: Backend, family: str, operator: str, x: Any, values: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """For a backend that does not compose called with grad mode on and ``x`` or a context tensor
+    that requires grad (``torch.autograd`` is the only outer system): a function that connects the
+    results to those tensors through a node whose backward raises ``UnsupportedOperatorError``.
+    Raises at once instead when no such tensor is there to connect to (``f`` reads tracked tensors
+    from its closure) or when the result is a sparse tensor."""
+    inputs = [leaf for leaf in pytree.tree_leaves((x, values)) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if not inputs or (isinstance(backend, AutoSparse) and family in _SPARSE_FAMILIES):
+        refuse_under_outer_transform(backend, family, operator)
+    try:
+        refuse_under_outer_transform(backend, family, operator)
+    except UnsupportedOperatorError as error:
+        message = str(error).replace("was called under an outer transform", "was differentiated by torch.autograd", 1)
+
+    def attach(result: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(result)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
+        outputs = _RefuseBackward.apply(message, len(positions), *(leaves[i] for i in positions), *inputs)
+        for i, out in zip(positions, outputs):
+            leaves[i] = out
+        return pytree.tree_unflatten(leaves, spec)
+
+    return attach
