@@ -106,7 +106,7 @@ def trace_sparsity(
     x = x.detach().clone()
     with torch.enable_grad() if hessian else torch.no_grad():
         try:
-            graph = make_fx(functionalize(traced, remove="mutations_and_views"), tracing_mode="real")(x, *tensors)
+            graph = make_fx(functionalize(traced, remove="mutations"), tracing_mode="real")(x, *tensors)
         except Exception as error:
             raise RuntimeError(
                 "TracerSparsity: cannot trace f into an aten graph: "
@@ -123,11 +123,13 @@ class _Store:
     """The index sets of one tensor's elements (in its logical row-major order), and whether its
     values are fixed (independent of ``x`` and of the contexts)."""
 
-    __slots__ = ("fixed", "sets")
+    __slots__ = ("fixed", "sets", "value")
 
     def __init__(self, sets: IndexSets, fixed: bool) -> None:
         self.sets = sets
         self.fixed = fixed
+        # The real tensor this store's elements live in: ``as_strided`` addresses its storage.
+        self.value: torch.Tensor | None = None
 
 
 @dataclass
@@ -178,6 +180,51 @@ _CONTRACTIONS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "matmul"
 _MAX_PAIRS = 30_000_000
 
 
+def _remember(value: Any, refs: Any) -> None:
+    """Record, for every store that a result created, the real tensor holding its elements."""
+    for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+        if isinstance(v, torch.Tensor) and isinstance(r, _Ref) and r.positions is None and r.store.value is None:
+            r.store.value = v
+
+
+def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: Any, offset: Any) -> np.ndarray | None:
+    """The store positions that ``view_of.as_strided(size, stride, offset)`` reads, or ``None``.
+
+    ``as_strided`` addresses the *storage* of ``view_of``, which it shares with the store's real
+    tensor: an int64 copy of that storage holding each element's store position (-1 elsewhere)
+    answers exactly, whatever the strides and storage offsets (autograd's backward of a write
+    into a slice reads the gradient this way, at the slice's storage offset).
+    """
+    root = store.value
+    if root is None or not isinstance(view_of, torch.Tensor) or root.device.type == "meta":
+        return None
+    try:
+        if view_of.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
+            return None
+        storage = torch.full((root.untyped_storage().nbytes() // root.element_size(),), -1, dtype=torch.int64)
+        storage.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
+            torch.arange(root.numel(), dtype=torch.int64).reshape(root.shape)
+        )
+        positions = storage.as_strided(size, stride, storage.storage_offset() if offset is None else offset)
+    except Exception:  # overlapping or out-of-bounds layouts: let the dense rule answer
+        return None
+    flat = positions.reshape(-1).numpy().astype(np.int64)
+    if flat.size and flat.min() < 0:
+        return None
+    return flat
+
+
+def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """``indices`` in a tensor with ``like``'s sizes, strides and storage offset (``None``: cannot)."""
+    try:
+        storage = torch.zeros(like.untyped_storage().nbytes() // like.element_size(), dtype=torch.int64)
+        mirror = storage.as_strided(like.shape, like.stride(), like.storage_offset())
+        mirror.copy_(indices)  # raises for overlapping strides
+    except Exception:
+        return None
+    return mirror
+
+
 class _Interpreter:
     def __init__(self, graph: torch.fx.GraphModule, n: int) -> None:
         self.graph = graph
@@ -207,6 +254,8 @@ class _Interpreter:
                 env[node] = self.call(node, env)
             elif node.op == "output":
                 output = node.args[0]
+            if node in env:
+                _remember(*env[node])
         result = output[0] if isinstance(output, (tuple, list)) else output
         value, ref = env[result]
         pattern = ref.sets() if isinstance(ref, _Ref) else self.empty(value.numel())
@@ -276,7 +325,10 @@ class _Interpreter:
         parent: _Ref = refs[0][0]
         base = parent.store
         if target.overloadpacket.__name__ in ("as_strided", "as_strided_copy"):
-            positions = torch.arange(base.sets.nrows)  # strides are relative to the storage
+            flat = self.strided(target, args, base)
+            if flat is None:
+                return self.fallback(str(target), value, refs, fixed=False)
+            return _Ref(base, flat)
         else:
             positions = (
                 torch.arange(base.sets.nrows) if parent.positions is None else torch.from_numpy(parent.positions)
@@ -286,6 +338,12 @@ class _Interpreter:
         except Exception:
             return self.fallback(str(target), value, refs, fixed=False)
         return pytree.tree_map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
+
+    def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
+        """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
+        names = [a.name for a in target._schema.arguments]
+        bound = dict(zip(names, args[0])) | args[1]
+        return _storage_positions(store, bound["self"], bound["size"], bound["stride"], bound.get("storage_offset"))
 
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
@@ -301,6 +359,10 @@ class _Interpreter:
         (ref_pos, ref_kw) = refs
         if name in _SAME_SETS and isinstance(value, torch.Tensor) and value.shape == positional[0].shape:
             return _Ref(_Store(ref_pos[0].sets(), fixed))
+        if name == "as_strided_copy" and isinstance(ref_pos[0], _Ref):
+            flat = self.strided(target, args, ref_pos[0].store)
+            if flat is not None:
+                return _Ref(_Store(ref_pos[0].store.sets.take(flat), fixed))
         if name == "copy" and isinstance(ref_pos[1], _Ref):  # functionalized copy_: the source, broadcast
             return _Ref(_Store(self.broadcast(ref_pos[1], positional[1], value.shape), ref_pos[1].fixed))
         if name == "where" and len(positional) == 3:
@@ -368,6 +430,7 @@ class _Interpreter:
         data: list[IndexSets] = []
         offset = [1]
         varying_index = False
+        unmirrored = [False]
 
         def substitute(arg: Any, ref: Any) -> Any:
             nonlocal varying_index
@@ -376,7 +439,15 @@ class _Interpreter:
                     data.append(ref.sets())
                     start = offset[0]
                     offset[0] += arg.numel()
-                    return torch.arange(start, start + arg.numel(), dtype=torch.int64).reshape(arg.shape)
+                    indices = torch.arange(start, start + arg.numel(), dtype=torch.int64).reshape(arg.shape)
+                    if name == "as_strided_scatter" and len(data) == 1:
+                        # Its strides and offset address self's storage: run it on a tensor laid
+                        # out exactly as self is (0, no input, elsewhere in that storage).
+                        mirrored = _mirror(indices, arg)
+                        if mirrored is None:
+                            unmirrored[0] = True
+                        return mirrored
+                    return indices
                 if not ref.fixed:
                     varying_index = True
             return arg
@@ -386,7 +457,7 @@ class _Interpreter:
             for arg, ref in zip(positional, ref_pos)
         ]
         kw = {k: substitute(v, ref_kw.get(k)) for k, v in keywords.items()}
-        if not data:
+        if not data or unmirrored[0]:
             return None
         # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
         # input element: it becomes index 0.
