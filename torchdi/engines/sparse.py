@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchdi.backends import AutoAutograd, AutoSparse
-from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
+from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec, zero_runner
 from torchdi.sparsity.coloring import (
     color_groups,
     column_coloring,
@@ -38,6 +38,9 @@ class SparseEngine:
     """Builds the sparse jacobian and hessian runners; every other family is the dense backend's."""
 
     native: ClassVar[frozenset[str]] = frozenset()
+    # Families whose runner also serves an empty x or f(x) (a CSR result and its prep attributes,
+    # rather than the generic dense zero map).
+    builds_empty: ClassVar[frozenset[str]] = frozenset({"jacobian", "hessian"})
 
     def __init__(self, backend: AutoSparse) -> None:
         from torchdi.engines import engine_for
@@ -105,10 +108,13 @@ class SparseRunner:
         """Detect, colour, and prepare the dense backend's batched runner on the colour seeds."""
         hessian = self.family == "hessian"
         start = time.perf_counter()
-        pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
-        detected = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
+        if m and n:
+            pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
+        else:  # an empty x or f(x): the empty pattern, no colour, no pass
+            pattern, fallbacks = IndexSets.empty(m, n), ()
+        detected = time.perf_counter()
         if hessian:
             colors = star_coloring(pattern, self.backend.coloring)
             recovery = star_recovery(pattern, colors)
@@ -153,7 +159,9 @@ class SparseRunner:
             family = {"forward": "pushforward", "reverse": "pullback", "star": "hvp"}[mode]
             self.compressed = build_runner(self.backend.dense, family, self.f, replace_spec(self.spec, n_tangents=ncolors))
             _warm(self.compressed, x, self.seeds, contexts)
-        if hessian:
+        if hessian and n == 0:
+            self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
+        elif hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
             _warm(self.gradient, x, None, contexts)

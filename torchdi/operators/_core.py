@@ -18,6 +18,7 @@ from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     Backend,
     require_available,
@@ -241,6 +242,8 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
                 f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
                 f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
             )
+    if isinstance(backend, AutoSparse) and family in _STATE_FAMILIES:
+        backend = backend.dense  # AutoSparse hands every operator but jacobian and hessian to it
     inner = backend.inner if isinstance(backend, (AutoCompile, AutoXLA)) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
     if family not in _STATE_FAMILIES or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
@@ -371,7 +374,7 @@ def _prepare_operator(
     # use (a training loop that only calls value_and_gradient never compiles it).
     lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
     lean = None
-    if spec.x.numel == 0 or spec.y.numel == 0:
+    if (spec.x.numel == 0 or spec.y.numel == 0) and family not in getattr(engine, "builds_empty", ()):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)

@@ -44,6 +44,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.sparsity.index_sets import IndexSets
+from torchdi.translate import to_device_tensor
 
 __all__ = ["TracerResult", "TracerSparsity", "trace_sparsity"]
 
@@ -88,7 +89,49 @@ def trace_sparsity(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = pytree.tree_flatten(contexts)
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # Context values are never read, only their shapes: a Constant may change between calls.
+    # Floats and numpy values (what compiled backends trace, ``to_device_tensor``) are traced as
+    # tensors, as tensors are; a module's parameters and buffers are marked as varying.
+    converted = {i: to_device_tensor(leaf, None) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+    converted = {i: t for i, t in converted.items() if isinstance(t, torch.Tensor)}
+    varying = {
+        t.untyped_storage().data_ptr()
+        for leaf in leaves
+        if isinstance(leaf, torch.nn.Module)
+        for t in [*leaf.parameters(), *leaf.buffers()]
+    }
+    x = x.detach().clone()
+    error: Exception | None = None
+    with torch.enable_grad() if hessian else torch.no_grad():
+        for as_tensors in (True, False) if converted else (True,):
+            slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or (as_tensors and i in converted)]
+            # Own copies: the interpreter replays writes (a Cache written by f) on them.
+            tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
+            try:
+                graph = make_fx(functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations"), tracing_mode="real")(
+                    x, *tensors
+                )
+            except Exception as failure:
+                error = error or failure
+                continue
+            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
+            # numpy methods): any tensor f creates may hold them, so none is read.
+            interpreter = _Interpreter(graph, x.numel(), read_created=as_tensors, varying=varying)
+            return interpreter.run(x, tensors)
+    assert error is not None
+    raise RuntimeError(
+        "TracerSparsity: cannot trace f into an aten graph: "
+        f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}\n"
+        "Data-dependent Python control flow (if on a tensor value, .item(), .tolist()) cannot be "
+        "traced for a global pattern. Use DenseSparsity() (a local pattern at the preparation point) "
+        "or KnownSparsity(pattern)."
+    ) from error
+
+
+def _traceable(
+    f: Callable[[Any, tuple[Any, ...]], Any], leaves: list[Any], spec: Any, slots: list[int], hessian: bool
+) -> Callable[..., torch.Tensor]:
+    """``f`` as a function of ``x`` and the context leaves at ``slots`` (the others stay as given)."""
 
     def call(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         filled = list(leaves)
@@ -96,27 +139,13 @@ def trace_sparsity(
             filled[i] = t
         return f(x_, pytree.tree_unflatten(filled, spec))
 
-    if hessian:
-        def traced(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
-    else:
-        traced = call
-    # Own copies: the interpreter replays writes (a Cache written by f) on them.
-    tensors = [leaves[i].detach().clone() for i in slots]
-    x = x.detach().clone()
-    with torch.enable_grad() if hessian else torch.no_grad():
-        try:
-            graph = make_fx(functionalize(traced, remove="mutations"), tracing_mode="real")(x, *tensors)
-        except Exception as error:
-            raise RuntimeError(
-                "TracerSparsity: cannot trace f into an aten graph: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}\n"
-                "Data-dependent Python control flow (if on a tensor value, .item(), .tolist()) cannot be "
-                "traced for a global pattern. Use DenseSparsity() (a local pattern at the preparation point) "
-                "or KnownSparsity(pattern)."
-            ) from error
-        interpreter = _Interpreter(graph, x.numel())
-        return interpreter.run(x, tensors)
+    if not hessian:
+        return call
+
+    def gradient(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
+
+    return gradient
 
 
 class _Store:
@@ -226,10 +255,14 @@ def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Interpreter:
-    def __init__(self, graph: torch.fx.GraphModule, n: int) -> None:
+    def __init__(self, graph: torch.fx.GraphModule, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
         self.graph = graph
         self.n = n
         self.fallbacks: list[str] = []
+        # False: the values of tensors f creates or closes over are not read (they may hold a
+        # context's value); ``varying``: storages of such tensors (a module context's parameters).
+        self.read_created = read_created
+        self.varying = varying or set()
 
     # -- helpers ---------------------------------------------------------------------------
     def empty(self, numel: int) -> IndexSets:
@@ -248,7 +281,8 @@ class _Interpreter:
                 first = False
             elif node.op == "get_attr":
                 value = getattr(self.graph, str(node.target))
-                refs = _Ref(_Store(self.empty(value.numel()), fixed=True)) if isinstance(value, torch.Tensor) else None
+                fixed = self.read_created and isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.varying
+                refs = _Ref(_Store(self.empty(value.numel()), fixed=fixed)) if isinstance(value, torch.Tensor) else None
                 env[node] = (value, refs)
             elif node.op == "call_function":
                 env[node] = self.call(node, env)
@@ -305,7 +339,7 @@ class _Interpreter:
         if name == "copy_":
             src = refs[0][1]
             new = self.broadcast(src, args[0][1], value.shape) if isinstance(src, _Ref) else self.empty(value.numel())
-            fixed = src.fixed if isinstance(src, _Ref) else True
+            fixed = src.fixed if isinstance(src, _Ref) else self.read_created
         else:
             functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), target._overloadname, None)
             if functional is None:
@@ -347,7 +381,7 @@ class _Interpreter:
 
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
-        fixed = self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
+        fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
         if torch.Tag.nondeterministic_seeded in target.tags:
             fixed = False
         inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
