@@ -12,6 +12,7 @@ shared by all calls of the preparation.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,6 +31,7 @@ from torchdi.sparsity.dense import DenseSparsity, dense_sparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import trace_sparsity
+from torchdi.sparsity.verify import rows_missing_nonzeros
 
 __all__ = ["SparseEngine", "SparseRunner"]
 
@@ -72,6 +74,20 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
     pattern = traced.pattern
     if hessian:  # symmetric by nature; the traced gradient graph may only show one side
         pattern = IndexSets.union([pattern, pattern.transpose()])
+    missing = rows_missing_nonzeros(pattern, backend.dense, f, spec, x, contexts, hessian)
+    if missing.size:
+        # A tracer defect (a wrong graph or rule): never a silently missing entry. The dense
+        # pattern is the only one that holds for every x (what one probe sees does not).
+        warnings.warn(
+            f"TracerSparsity: the traced {'hessian' if hessian else 'jacobian'} pattern misses non-zeros that "
+            f"f's own derivative shows at the preparation point (in {missing.size} rows or columns): the tracer "
+            "got an op of f wrong. Falling back to the dense "
+            "pattern (every entry): results are correct, without the sparse speed-up. Pass "
+            "sparsity=KnownSparsity(pattern) or DenseSparsity() for speed, and please report f's ops.",
+            UserWarning,
+            stacklevel=2,
+        )
+        pattern = IndexSets.full(m, n)
     return pattern, traced.fallbacks
 
 

@@ -6,6 +6,7 @@ Runners (what an operator family computes) and their construction live in ``torc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -366,6 +367,7 @@ def _prepare_operator(
         n_tangents = len(tangents)  # type: ignore[arg-type]
     elif tangents is not None:
         raise TypeError(f"{operator} takes no tangents")
+    _warn_if_x_unused(bound, x_run, values if seen_by_f is None else seen_by_f(values), y, operator)
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
     batched = None if tangents is None else _batch_tangents(tangents)
@@ -398,6 +400,65 @@ def _prepare_operator(
         engine.keeps_static,
         output_shape,
         lean,
+    )
+
+
+def _warn_if_x_unused(f: BoundFunction, x: Any, values: tuple[Any, ...], y: Any, operator: str) -> None:
+    """Warn when ``f``'s output does not depend on ``x`` at all: every derivative is then zero.
+
+    The classic slip is a loss that calls ``model(batch)`` instead of
+    ``functional_call(model, params, (batch,))``: ``x`` (the parameters dict) is never used and
+    the gradient is silently zero, where ``torch.autograd.grad`` would raise. Checked once, at
+    preparation: ``f`` is evaluated with ``x`` requiring grad and its autograd graph walked for
+    ``x``; a function that hides ``x`` from autograd (numpy inside, for finite differences) is
+    then evaluated at a perturbed ``x`` before anything is said.
+    """
+    flat, spec = pytree.tree_flatten(x)
+    probes = [
+        leaf.detach().requires_grad_() if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()) else leaf
+        for leaf in flat
+    ]
+    wanted = {id(p) for p, leaf in zip(probes, flat) if p is not leaf}
+    if not wanted:
+        return
+    try:
+        with torch.enable_grad():
+            out = f(pytree.tree_unflatten(probes, spec), values)
+    except Exception:  # f cannot run under autograd (a black box for finite differences): say nothing
+        return
+    roots = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if any(id(t) in wanted for t in pytree.tree_leaves(out)):  # f returns x itself
+        return
+    seen: set[Any] = set()
+    while roots:  # walk the graph down to the leaves it accumulates into
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:
+            return
+        roots.extend(child for child, _ in node.next_functions)
+    del out, seen
+    generator = torch.Generator().manual_seed(0)
+    moved = [
+        leaf + 0.01 * (leaf.abs() + 1) * torch.randn(leaf.shape, generator=generator, dtype=torch.float64).to(leaf.device, leaf.dtype)
+        if id(p) in wanted
+        else leaf
+        for p, leaf in zip(probes, flat)
+    ]
+    try:
+        with torch.no_grad():
+            again = pytree.tree_leaves(f(pytree.tree_unflatten(moved, spec), values))
+    except Exception:
+        return
+    if any(not (isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)) for a, b in zip(again, pytree.tree_leaves(y))):
+        return  # f depends on x outside autograd's view: a finite-difference backend sees it
+    warnings.warn(
+        f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
+        "is zero. If f evaluates a model, pass the parameters through it: "
+        "torch.func.functional_call(model, params, (batch,)) instead of model(batch).",
+        UserWarning,
+        stacklevel=5,
     )
 
 
