@@ -35,6 +35,7 @@ Writes into views (in-place ops left by decompositions) update the sets of the v
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,9 +109,11 @@ def trace_sparsity(
             # Own copies: the interpreter replays writes (a Cache written by f) on them.
             tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
             try:
-                graph = make_fx(functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations"), tracing_mode="real")(
-                    x, *tensors
-                )
+                with warnings.catch_warnings():
+                    # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
+                    warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+                    traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
+                    graph = make_fx(traceable, tracing_mode="real")(x, *tensors)
             except Exception as failure:
                 error = error or failure
                 continue
