@@ -19,7 +19,16 @@ import numpy as np
 import torch
 
 from torchdi.backends import AutoAutograd, AutoSparse
-from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec, zero_runner
+from torchdi.errors import user_stacklevel
+from torchdi.runners import (
+    BoundFunction,
+    Spec,
+    _base,
+    build_runner,
+    outer_inner,
+    replace_spec,
+    zero_runner,
+)
 from torchdi.sparsity.coloring import (
     color_groups,
     column_coloring,
@@ -85,7 +94,7 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
             "pattern (every entry): results are correct, without the sparse speed-up. Pass "
             "sparsity=KnownSparsity(pattern) or DenseSparsity() for speed, and please report f's ops.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
         pattern = IndexSets.full(m, n)
     return pattern, traced.fallbacks

@@ -26,7 +26,7 @@ from torchdi.backends import (
 )
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
-from torchdi.errors import UnsupportedOperatorError
+from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.into_grad import IntoGrad
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
@@ -426,7 +426,7 @@ def _warn_if_x_unused(f: BoundFunction, x: Any, values: tuple[Any, ...], y: Any,
             out = f(pytree.tree_unflatten(probes, spec), values)
     except Exception:  # f cannot run under autograd (a black box for finite differences): say nothing
         return
-    roots = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    roots: list[Any] = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if any(id(t) in wanted for t in pytree.tree_leaves(out)):  # f returns x itself
         return
     seen: set[Any] = set()
@@ -458,7 +458,7 @@ def _warn_if_x_unused(f: BoundFunction, x: Any, values: tuple[Any, ...], y: Any,
         "is zero. If f evaluates a model, pass the parameters through it: "
         "torch.func.functional_call(model, params, (batch,)) instead of model(batch).",
         UserWarning,
-        stacklevel=5,
+        stacklevel=user_stacklevel(),
     )
 
 
