@@ -78,9 +78,10 @@ def test_item01_sparse_hessian_of_slice_writes(name, f):
 
 @NO_FALLBACK
 @ON_DENSE
-def test_item01_sparse_jacobian_of_a_function_calling_grad(name):
+@pytest.mark.parametrize("f", [shifted_products, scaled_column], ids=lambda f: f.__name__)
+def test_item01_sparse_jacobian_of_a_function_calling_grad(name, f):
     def g(x):
-        return torch.func.grad(scaled_slice)(x) * x
+        return torch.func.grad(f)(x)
 
     x = torch.randn(6, dtype=torch.float64)
     jac = td.jacobian(g, td.AutoSparse(DENSE[name]), x)
