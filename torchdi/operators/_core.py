@@ -339,14 +339,26 @@ def _prepare_operator(
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
     seen_by_f = getattr(engine, "contexts_seen_by_f", None)
-    try:
-        with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
-            y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
-    except Exception as error:
-        note = None if seen_by_f is None else _translation_note(values)
-        if note:
-            error.add_note(note)
-        raise
+    # The first evaluation also tells whether f's output uses x at all (_x_unused): x's leaves
+    # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
+    # evaluated again as before, under no_grad, and reports its own error.
+    seen = values if seen_by_f is None else seen_by_f(values)
+    probing = _grad_probes(x_run)
+    if probing is not None:
+        try:
+            with torch.enable_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                y = bound(probing[0], seen)
+        except Exception:
+            probing = None
+    if probing is None:
+        try:
+            with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                y = bound(x_run, seen)
+        except Exception as error:
+            note = None if seen_by_f is None else _translation_note(values)
+            if note:
+                error.add_note(note)
+            raise
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
@@ -367,7 +379,14 @@ def _prepare_operator(
         n_tangents = len(tangents)  # type: ignore[arg-type]
     elif tangents is not None:
         raise TypeError(f"{operator} takes no tangents")
-    _warn_if_x_unused(bound, x_run, values if seen_by_f is None else seen_by_f(values), y, operator)
+    if probing is not None and _x_unused(y, probing[1], bound, x_run, seen):
+        warnings.warn(
+            f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
+            "is zero. If f evaluates a model, pass the parameters through it: "
+            "torch.func.functional_call(model, params, (batch,)) instead of model(batch).",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
     batched = None if tangents is None else _batch_tangents(tangents)
@@ -403,62 +422,58 @@ def _prepare_operator(
     )
 
 
-def _warn_if_x_unused(f: BoundFunction, x: Any, values: tuple[Any, ...], y: Any, operator: str) -> None:
-    """Warn when ``f``'s output does not depend on ``x`` at all: every derivative is then zero.
-
-    The classic slip is a loss that calls ``model(batch)`` instead of
-    ``functional_call(model, params, (batch,))``: ``x`` (the parameters dict) is never used and
-    the gradient is silently zero, where ``torch.autograd.grad`` would raise. Checked once, at
-    preparation: ``f`` is evaluated with ``x`` requiring grad and its autograd graph walked for
-    ``x``; a function that hides ``x`` from autograd (numpy inside, for finite differences) is
-    then evaluated at a perturbed ``x`` before anything is said.
-    """
+def _grad_probes(x: Any) -> tuple[Any, set[int]] | None:
+    """``x`` with its floating-point leaves replaced by detached aliases that require grad, and
+    their ids; ``None`` when ``x`` has no such leaf."""
     flat, spec = pytree.tree_flatten(x)
     probes = [
         leaf.detach().requires_grad_() if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()) else leaf
         for leaf in flat
     ]
     wanted = {id(p) for p, leaf in zip(probes, flat) if p is not leaf}
-    if not wanted:
-        return
-    try:
-        with torch.enable_grad():
-            out = f(pytree.tree_unflatten(probes, spec), values)
-    except Exception:  # f cannot run under autograd (a black box for finite differences): say nothing
-        return
-    roots: list[Any] = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    if any(id(t) in wanted for t in pytree.tree_leaves(out)):  # f returns x itself
-        return
+    return (pytree.tree_unflatten(probes, spec), wanted) if wanted else None
+
+
+def _x_unused(y: Any, wanted: set[int], f: BoundFunction, x: Any, values: tuple[Any, ...]) -> bool:
+    """Whether ``f``'s output ``y`` (computed from the probes ``wanted``) does not depend on ``x``.
+
+    The classic slip is a loss that calls ``model(batch)`` instead of
+    ``functional_call(model, params, (batch,))``: ``x`` (the parameters dict) is never used and
+    every derivative is silently zero, where ``torch.autograd.grad`` would raise. ``y``'s autograd
+    graph is walked for ``x``'s leaves (the model's own parameters may give it a graph); when
+    none is reached, ``f`` may still hide ``x`` from autograd (numpy inside, for finite
+    differences): it is then evaluated at a moved ``x``, and only an unchanged output counts.
+    """
+    outs = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor)]
+    if any(id(t) in wanted for t in outs):  # f returns x itself
+        return False
+    roots: list[Any] = [t.grad_fn for t in outs if t.grad_fn is not None]
     seen: set[Any] = set()
-    while roots:  # walk the graph down to the leaves it accumulates into
+    while roots:  # down to the leaves the graph accumulates into
         node = roots.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         if id(getattr(node, "variable", None)) in wanted:
-            return
+            return False
         roots.extend(child for child, _ in node.next_functions)
-    del out, seen
-    generator = torch.Generator().manual_seed(0)
+    flat, spec = pytree.tree_flatten(x)
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in flat):
+        return False  # no values to compare
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: preparation leaves it alone
     moved = [
         leaf + 0.01 * (leaf.abs() + 1) * torch.randn(leaf.shape, generator=generator, dtype=torch.float64).to(leaf.device, leaf.dtype)
-        if id(p) in wanted
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
         else leaf
-        for p, leaf in zip(probes, flat)
+        for leaf in flat
     ]
     try:
         with torch.no_grad():
             again = pytree.tree_leaves(f(pytree.tree_unflatten(moved, spec), values))
     except Exception:
-        return
-    if any(not (isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)) for a, b in zip(again, pytree.tree_leaves(y))):
-        return  # f depends on x outside autograd's view: a finite-difference backend sees it
-    warnings.warn(
-        f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
-        "is zero. If f evaluates a model, pass the parameters through it: "
-        "torch.func.functional_call(model, params, (batch,)) instead of model(batch).",
-        UserWarning,
-        stacklevel=user_stacklevel(),
+        return False
+    return len(again) == len(outs) and all(
+        isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b.detach()) for a, b in zip(again, outs)
     )
 
 
