@@ -5,10 +5,10 @@ ops; views stay views, because removing them loses the storage offsets that auto
 of a write into a slice reads through ``as_strided``) and the graph is interpreted on *index
 sets*: for every element of every tensor, the set of flat input indices it may depend on. The
 pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
-contexts (floats and numpy values are traced as tensors, as compiled backends trace them). Values that are fixed (tensors ``f`` creates or
-closes over, and what is computed from them alone) are read: a multiplication by a fixed zero,
-a fixed banded matrix in a matmul, fixed indices in indexing and a fixed convolution kernel give
-their exact structure.
+contexts (floats and numpy values are traced as tensors, as compiled backends trace them).
+Values that are fixed (tensors ``f`` creates or closes over, and what is computed from them
+alone) are read: a multiplication by a fixed zero, a fixed banded matrix in a matmul, fixed
+indices in indexing and a fixed convolution kernel give their exact structure.
 
 Rules (the op's first matching rule applies):
 
