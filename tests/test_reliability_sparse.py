@@ -16,6 +16,7 @@ import torchdi as td
 import torchdi.engines.sparse as sparse_engine
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.tracer import TracerResult
+from torchdi.testing.sparse_scenarios import sparse_scenarios
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 
@@ -113,6 +114,21 @@ def test_item01_a_pattern_missing_nonzeros_is_caught_at_preparation(monkeypatch,
         got, want = td.jacobian(torch.diff, backend, x2, prep=prep), torch.func.jacrev(torch.diff)(x2)
     torch.testing.assert_close(got.to_dense(), want)
     assert prep.sparsity_pattern.to_dense().all()
+
+
+@NO_FALLBACK
+@pytest.mark.parametrize("name", ["func", "finitediff"])
+@pytest.mark.parametrize(
+    "scenario",
+    sparse_scenarios(sizes=(8,)) + sparse_scenarios(sizes=(8,), dtype=torch.float32),
+    ids=lambda s: f"{s.name}-{s.x.dtype}".replace("torch.", ""),
+)
+def test_item01_the_check_is_silent_on_right_patterns(name, scenario):
+    # No false alarm, with exact passes or with finite differences' coarser ones.
+    dense = td.AutoFiniteDiff() if name == "finitediff" else DENSE[name]
+    prepare = td.prepare_jacobian if scenario.op == "jacobian" else td.prepare_hessian
+    prep = prepare(scenario.f, td.AutoSparse(dense), scenario.x)
+    assert not prep.sparsity_pattern.to_dense().all()
 
 
 # --- item 2: float and numpy Constants are never read --------------------------------------------
