@@ -6,12 +6,10 @@ from typing import Any, ClassVar, Protocol
 
 from torch.utils import _pytree as pytree
 
-__all__ = ["ALL_FAMILIES", "Engine", "like_primal"]
-
 # Every operator family; engines that wrap another backend's runners (compile, xla) build them all.
-ALL_FAMILIES = frozenset(
-    {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
-)
+from torchdi.families import ALL_FAMILIES
+
+__all__ = ["ALL_FAMILIES", "Engine", "like_primal"]
 
 
 class Engine(Protocol):

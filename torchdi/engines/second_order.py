@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torchdi.backends import SecondOrder
+from torchdi.families import FIRST_ORDER
 
 __all__ = ["SecondOrderEngine"]
-
-FIRST_ORDER = frozenset({"pushforward", "pullback", "derivative", "gradient", "jacobian"})
 
 
 class SecondOrderEngine:

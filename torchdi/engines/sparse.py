@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from torchdi.backends import AutoAutograd, AutoSparse
+from torchdi.families import FAMILIES, MATRIX_FAMILIES
 from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
 from torchdi.sparsity.coloring import (
     color_groups,
@@ -44,14 +45,14 @@ class SparseEngine:
 
         self.backend = backend
         self.dense_engine = engine_for(backend.dense)
-        self.native = self.dense_engine.native | {"jacobian", "hessian"}  # type: ignore[misc]
+        self.native = self.dense_engine.native | MATRIX_FAMILIES  # type: ignore[misc]
 
     @property
     def keeps_static(self) -> bool:
         return bool(self.dense_engine.keeps_static)
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        if family in ("jacobian", "hessian"):
+        if FAMILIES[family].matrix:
             return SparseRunner(self.backend, family, f, spec, self.dense_engine.native)
         return build_runner(self.backend.dense, family, f, spec)
 

@@ -25,6 +25,7 @@ from torchdi.backends import (
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.errors import UnsupportedOperatorError
+from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
@@ -33,20 +34,6 @@ from torchdi.translate import copyto_, to_device_tensor
 __all__ = ["prepare_operator", "run_operator", "write_out"]
 
 
-# Which argument the tangents are shaped like, per family (None: the family takes no tangents).
-TANGENTS_LIKE = {
-    "pushforward": "x",
-    "pullback": "y",
-    "hvp": "x",
-    "derivative": None,
-    "gradient": None,
-    "jacobian": None,
-    "second_derivative": None,
-    "hessian": None,
-}
-SCALAR_X = {"derivative", "second_derivative"}
-TENSOR_X = {"jacobian", "hessian"}
-SCALAR_Y = {"gradient", "hvp", "hessian"}
 # Families whose plain operator gets a runner of its own on compiled engines (Spec.needs_value).
 LEAN_FAMILIES = {"gradient"}
 
@@ -61,7 +48,8 @@ def _check_backend(backend: Any, operator: str) -> None:
 
 def _canonical_x(x: Any, family: str, operator: str) -> Any:
     """``x`` as runners take it: detached from any outer graph, scalars as 0-d tensors."""
-    if family in SCALAR_X:
+    row = FAMILIES[family]
+    if row.scalar_x:
         if isinstance(x, (bool, complex)) or not isinstance(x, (int, float, torch.Tensor)):
             raise TypeError(f"{operator}: x must be a real Python number or a 0-d tensor, got {type(x).__name__}")
         if isinstance(x, torch.Tensor):
@@ -73,7 +61,7 @@ def _canonical_x(x: Any, family: str, operator: str) -> Any:
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"{operator}: x must have a floating-point or complex dtype, got {x.dtype}")
         return x.detach() if x.requires_grad else x
-    if family in TENSOR_X:
+    if row.tensor_x:
         raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
     if type(x) is dict and x and all(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in x.values()):
         # A flat dict of tensors (module parameters): the hot case, without a pytree round trip.
@@ -124,7 +112,7 @@ def _tangent_name(family: str, tangents: Any) -> str | None:
     """The public name of the tangents a call passed (``tx``/``ty``), or ``None``."""
     if tangents is None:
         return None
-    return "ty" if TANGENTS_LIKE[family] == "y" else "tx"
+    return FAMILIES[family].tangent_name
 
 
 def _argument_names(tangent_name: str | None, n_contexts: int) -> tuple[str, ...]:
@@ -223,11 +211,6 @@ def _summarize_writes(written: list[tuple[str, str, torch.Tensor, str | None]]) 
     return "; ".join(phrases)
 
 
-# The family that evaluates f exactly once per call, outside vmap, with the contexts passed as
-# arguments of the transform on the backends below: where a State update happens exactly once.
-_STATE_FAMILIES = ("gradient",)
-
-
 def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: tuple[str, ...], operator: str) -> None:
     """Refuse ``State`` where its update would not happen exactly once on the user's tensors."""
     if "State" not in kinds:
@@ -243,7 +226,7 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
             )
     inner = backend.inner if isinstance(backend, (AutoCompile, AutoXLA)) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
-    if family not in _STATE_FAMILIES or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
+    if not FAMILIES[family].state or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
         raise UnsupportedOperatorError(
             f"{operator} with {backend!r}: a torchdi.State context is updated exactly once per call only by "
             "gradient and value_and_gradient on AutoAutograd(), AutoFunc(), and AutoCompile() and AutoXLA() "
@@ -324,7 +307,8 @@ def _prepare_operator(
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     _check_backend(backend, operator)
     require_available(backend)
-    tangent_name = {"x": "tx", "y": "ty", None: None}[TANGENTS_LIKE[family]]
+    row = FAMILIES[family]
+    tangent_name = row.tangent_name
     values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangent_name else 3)
     kinds = context_kinds(contexts)
     _check_state(family, backend, values, kinds, operator)
@@ -346,9 +330,9 @@ def _prepare_operator(
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
-    if (family in SCALAR_Y or family in ("jacobian", "derivative", "second_derivative")) and not isinstance(y, torch.Tensor):
+    if row.single_y and not isinstance(y, torch.Tensor):
         raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
-    if family in SCALAR_Y and y.numel() != 1:
+    if row.scalar_y and y.numel() != 1:
         raise ValueError(
             f"{operator}: f must return a scalar (one-element) tensor, got shape {tuple(y.shape)}; "
             "use jacobian or pullback for non-scalar outputs"
@@ -358,7 +342,7 @@ def _prepare_operator(
     x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
     n_tangents = 0
     if tangent_name is not None:
-        like, like_name = (x_meta, "x") if TANGENTS_LIKE[family] == "x" else (y_meta, "f(x)")
+        like, like_name = (x_meta, "x") if row.tangents_like == "x" else (y_meta, "f(x)")
         _check_tangents(tangents, like, like_name, operator, tangent_name)
         n_tangents = len(tangents)  # type: ignore[arg-type]
     elif tangents is not None:
