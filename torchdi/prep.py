@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi.runners import Publishes, checked_entry, num_compilations, runner_path
 from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
@@ -216,9 +217,10 @@ class Prep:
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
         try:
-            published = object.__getattribute__(self, "runner").published
-        except AttributeError:
-            published = {}
+            runner = object.__getattribute__(self, "runner")
+        except AttributeError:  # during unpickling or before __init__
+            runner = None
+        published = runner.published if isinstance(runner, Publishes) else {}
         if name in published:
             return published[name]
         raise AttributeError(f"'Prep' object has no attribute {name!r}")
@@ -235,11 +237,11 @@ class Prep:
 
     @property
     def num_compilations(self) -> int:
-        return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
+        return num_compilations(self.runner) + num_compilations(self.lean_runner)
 
     def __repr__(self) -> str:
         # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
-        paths = [getattr(r, "path", None) for r in (self.runner, self.lean_runner) if r is not None]
+        paths = [runner_path(r) for r in (self.runner, self.lean_runner)]
         path = "".join(f", path={p!r}" for p in dict.fromkeys(paths) if p is not None)
         return (
             f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
@@ -309,7 +311,7 @@ class Prep:
 
 def _entry(runner: Callable[..., Any], strict: bool) -> Callable[..., Any]:
     """What a call runs: a strict-checked call may take the runner's faster path, if it has one."""
-    return getattr(runner, "checked_call", runner) if strict else runner
+    return checked_entry(runner) if strict else runner
 
 
 def _hint(expected: Any, received: Any) -> str:

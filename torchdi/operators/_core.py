@@ -13,22 +13,24 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import (
-    _BACKEND_TYPES,
-    AutoAutograd,
-    AutoCompile,
-    AutoFunc,
-    AutoXLA,
-    Backend,
-    require_available,
-)
+from torchdi.backends import _BACKEND_TYPES, Backend, require_available
+from torchdi.composition import state_refusal
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
-from torchdi.errors import UnsupportedOperatorError
 from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
 from torchdi.prep import Prep, describe, describe_contexts
-from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
+from torchdi.runners import (
+    BoundFunction,
+    Runner,
+    Spec,
+    TranslatesContexts,
+    TreeMeta,
+    build_runner,
+    engine_for,
+    warm_up,
+    zero_runner,
+)
 from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["prepare_operator", "run_operator", "write_out"]
@@ -224,16 +226,9 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
                 f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
                 f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
             )
-    inner = backend.inner if isinstance(backend, (AutoCompile, AutoXLA)) else backend
-    compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
-    if not FAMILIES[family].state or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
-        raise UnsupportedOperatorError(
-            f"{operator} with {backend!r}: a torchdi.State context is updated exactly once per call only by "
-            "gradient and value_and_gradient on AutoAutograd(), AutoFunc(), and AutoCompile() and AutoXLA() "
-            "with inner=AutoAutograd() or AutoFunc(), not with mode='reduce-overhead' (other operators "
-            "evaluate f several times or under vmap; CUDA graphs run f on copies of the tensors). "
-            "Pass the values as a Constant with fixed statistics (model.eval()) for other operators."
-        )
+    refusal = state_refusal(family, backend, operator)
+    if refusal is not None:
+        raise refusal
 
 
 @contextlib.contextmanager
@@ -296,8 +291,6 @@ def _prepare_operator(
     strict: bool,
     value: bool | None,
 ) -> Prep:
-    from torchdi.engines import engine_for
-
     if torch.is_inference_mode_enabled():
         # The user's outer context, not a request to drop derivatives: under inference_mode
         # autograd records nothing and every derivative would silently be zero.
@@ -318,7 +311,7 @@ def _prepare_operator(
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
-    seen_by_f = getattr(engine, "contexts_seen_by_f", None)
+    seen_by_f = engine.contexts_seen_by_f if isinstance(engine, TranslatesContexts) else None
     try:
         with torch.no_grad(), _refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
             y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
@@ -385,16 +378,14 @@ def _prepare_operator(
 def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:
     """The runner, compiled for these arguments when the engine compiles (``warm_up``)."""
     runner = build_runner(backend, family, f, spec)
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        try:
-            with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
-                warm_up(x, tangents, values)
-        except Exception as error:
-            note = _translation_note(values)
-            if note:
-                error.add_note(note)
-            raise
+    try:
+        with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
+            warm_up(runner, x, tangents, values)
+    except Exception as error:
+        note = _translation_note(values)
+        if note:
+            error.add_note(note)
+        raise
     return runner
 
 
