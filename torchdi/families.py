@@ -101,6 +101,9 @@ class Family:
             evaluates ``f`` once, outside ``vmap``), on the backends ``torchdi.composition``
             names.
         matrix: the result is a matrix that ``AutoSparse`` computes from compressed passes.
+        drops_value: a one-shot call of the plain operator (no ``prep``) may build a runner
+            that skips the value (``Spec.needs_value=False``: a compiled gradient then drops
+            f's final reduction). A preparation always builds the one runner serving both.
     """
 
     name: str
@@ -115,6 +118,7 @@ class Family:
     result: type[tuple[Any, ...]]
     state: bool = False
     matrix: bool = False
+    drops_value: bool = False
 
     @property
     def tangent_name(self) -> str | None:
@@ -126,7 +130,7 @@ _ROWS = (
     Family("pushforward", "pushforward", "value_and_pushforward", "x", False, False, False, False, 1, PushforwardResult),
     Family("pullback", "pullback", "value_and_pullback", "y", False, False, False, False, 1, PullbackResult),
     Family("derivative", "derivative", "value_and_derivative", None, True, False, False, True, 1, DerivativeResult),
-    Family("gradient", "gradient", "value_and_gradient", None, False, False, True, True, 1, GradientResult, state=True),
+    Family("gradient", "gradient", "value_and_gradient", None, False, False, True, True, 1, GradientResult, state=True, drops_value=True),
     Family("jacobian", "jacobian", "value_and_jacobian", None, False, True, False, True, 1, JacobianResult, matrix=True),
     Family(
         "second_derivative",

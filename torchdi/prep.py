@@ -177,9 +177,6 @@ class Prep:
         "call",
         "f",
         "keep_static",
-        "lean_call",
-        "lean_factory",
-        "lean_runner",
         "operator",
         "output_shape",
         "runner",
@@ -197,7 +194,6 @@ class Prep:
         strict: bool,
         keep_static: bool,
         output_shape: torch.Size | None,
-        lean_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.operator = operator
         self.f = f
@@ -205,11 +201,9 @@ class Prep:
         self._expected = expected
         self._names = names
         self.runner = runner
+        # One runner serves the plain operator and its value_ variant (rule 2: nothing compiles
+        # after preparation; the plain operator drops the value).
         self.call = _entry(runner, strict)
-        # The plain operator's own runner (one that skips the value), built on its first use.
-        self.lean_factory = lean_factory
-        self.lean_runner: Callable[..., Any] | None = None
-        self.lean_call: Callable[..., Any] | None = None
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
@@ -225,27 +219,17 @@ class Prep:
             return published[name]
         raise AttributeError(f"'Prep' object has no attribute {name!r}")
 
-    def plain_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Callable[..., Any]:
-        """What the plain operator (no value) runs: its own variant when the engine has one,
-        prepared on the first call that needs it (and counted in ``num_compilations``)."""
-        if self.lean_factory is None:
-            return self.call
-        if self.lean_call is None:
-            self.lean_runner = self.lean_factory(x, tangents, contexts)
-            self.lean_call = _entry(self.lean_runner, self.strict)
-        return self.lean_call
-
     @property
     def num_compilations(self) -> int:
-        return num_compilations(self.runner) + num_compilations(self.lean_runner)
+        return num_compilations(self.runner)
 
     def __repr__(self) -> str:
         # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
-        paths = [runner_path(r) for r in (self.runner, self.lean_runner)]
-        path = "".join(f", path={p!r}" for p in dict.fromkeys(paths) if p is not None)
+        path = runner_path(self.runner)
+        shown = "" if path is None else f", path={path!r}"
         return (
             f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
-            f"num_compilations={self.num_compilations}{path})"
+            f"num_compilations={self.num_compilations}{shown})"
         )
 
     def serves(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> bool:

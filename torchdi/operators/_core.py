@@ -36,10 +36,6 @@ from torchdi.translate import copyto_, to_device_tensor
 __all__ = ["prepare_operator", "run_operator", "write_out"]
 
 
-# Families whose plain operator gets a runner of its own on compiled engines (Spec.needs_value).
-LEAN_FAMILIES = {"gradient"}
-
-
 def _check_backend(backend: Any, operator: str) -> None:
     if not isinstance(backend, _BACKEND_TYPES):
         raise TypeError(
@@ -343,22 +339,22 @@ def _prepare_operator(
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
     batched = None if tangents is None else _batch_tangents(tangents)
-    # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
-    # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
-    # use (a training loop that only calls value_and_gradient never compiles it).
-    lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
-    lean = None
+    # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
+    # value_ variant; nothing compiles on a later call. The alternative, a second program without
+    # the value for the plain operator (it lets the compiler drop f's final reduction), would cost
+    # a second compilation at every prepare_gradient, paid even by loops that only call
+    # value_and_gradient; measured with benchmarks/compile_overhead.py (see the CHANGELOG), the
+    # one program keeps the prepared gradient within raw torch.compile(grad(f)) on the small
+    # functions and costs one full-size reduction on the bandwidth-bound one.
+    # A one-shot call (no prep: value is False or True) compiles only what it needs.
+    if value is False and row.drops_value and engine.keeps_static:
+        spec = replace(spec, needs_value=False)
     if spec.x.numel == 0 or spec.y.numel == 0:
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
     else:
-        runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
-        if lean_spec is not None and value is None:
-            def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
-                # Built on the plain operator's first call: its compilation must not touch States either.
-                with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
-                    return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
+        runner = _built(backend, family, bound, spec, x_run, batched, values)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
@@ -371,7 +367,6 @@ def _prepare_operator(
         strict,
         engine.keeps_static,
         output_shape,
-        lean,
     )
 
 
@@ -483,7 +478,7 @@ def run_operator(
     values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
-    call = prep.call if value else prep.plain_call(x_run, batched, values)
+    call = prep.call
     grad_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
     try:
