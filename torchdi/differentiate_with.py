@@ -36,7 +36,7 @@ import torch.autograd.forward_ad as fwAD
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import _BACKEND_TYPES, Backend, require_available
+from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.operators import (
@@ -47,6 +47,7 @@ from torchdi.operators import (
     pullback,
     pushforward,
 )
+from torchdi.operators._checks import check_backend
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import engine_for
 
@@ -95,11 +96,7 @@ class DifferentiateWith:
     def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
         if not callable(f):
             raise TypeError(f"DifferentiateWith: f must be callable, got {type(f).__name__}")
-        if not isinstance(backend, _BACKEND_TYPES):
-            raise TypeError(
-                "DifferentiateWith: backend must be a torchdi backend such as torchdi.AutoFiniteDiff() "
-                f"or torchdi.AutoCompile(), got {type(backend).__name__}"
-            )
+        check_backend(backend, "DifferentiateWith", "torchdi.AutoFiniteDiff() or torchdi.AutoCompile()")
         require_available(backend)
         hidden = _trainable_state_of(f)
         if hidden:
