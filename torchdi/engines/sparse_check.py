@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchdi.runners import BoundFunction, Spec, build_runner, replace_spec
+from torchdi.backends import AutoCompile, AutoFiniteDiff, AutoXLA
+from torchdi.runners import BoundFunction, Spec, build_runner, engine_for, replace_spec, warm_up
 from torchdi.sparsity.coloring import GreedyColoring, column_coloring, jacobian_recovery
 from torchdi.sparsity.index_sets import IndexSets
 
@@ -31,9 +32,6 @@ def rows_missing_nonzeros(
     """The rows (reverse mode: columns) of the jacobian (``hessian``: hessian) of ``f`` at ``x``
     that have a non-zero outside ``pattern``, as far as one random probe shows; empty when the
     pattern holds, or when no probe can be run (the check is then skipped, as before it existed)."""
-    from torchdi.backends import AutoCompile, AutoXLA
-    from torchdi.engines import engine_for
-
     backend = dense
     while isinstance(backend, (AutoCompile, AutoXLA)):
         backend = backend.inner
@@ -56,8 +54,6 @@ def _probe(
     pattern: IndexSets, backend: Any, family: str, by_rows: bool, f: BoundFunction, spec: Spec, x: torch.Tensor,
     contexts: tuple[Any, ...], hessian: bool,
 ) -> np.ndarray:
-    from torchdi.backends import AutoFiniteDiff
-
     n = spec.x.numel
     m = n if hessian else spec.y.numel
     seeded = pattern.transpose() if by_rows else pattern  # colour the rows in reverse mode
@@ -73,9 +69,7 @@ def _probe(
     tangents[ncolors] = probe
     tangents = tangents.reshape(ncolors + 1, *meta.shapes[0])
     runner = build_runner(backend, family, f, replace_spec(spec, n_tangents=ncolors + 1))
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        warm_up(x, tangents, contexts)
+    warm_up(runner, x, tangents, contexts)
     products = runner(x, tangents, contexts)[-1].detach().reshape(ncolors + 1, other)
     compressed, wanted = products[:ncolors], products[ncolors]
     gather = torch.from_numpy(jacobian_recovery(pattern, colors, by_rows=by_rows)).to(x.device)
