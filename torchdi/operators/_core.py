@@ -40,6 +40,7 @@ from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import (
     BoundFunction,
     Runner,
+    ServesEmpty,
     Spec,
     TranslatesContexts,
     TreeMeta,
@@ -180,7 +181,7 @@ def _prepare_operator(
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static:
         spec = replace(spec, needs_value=False)
-    if (spec.x.numel == 0 or spec.y.numel == 0) and family not in getattr(engine, "builds_empty", ()):
+    if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
