@@ -48,6 +48,7 @@ from torchdi.errors import UnsupportedOperatorError
 
 __all__ = [
     "backward_refusal",
+    "reads_tracked_besides",
     "composes",
     "functorch_safe",
     "outer_transform_active",
@@ -211,3 +212,34 @@ def backward_refusal(backend: Backend, family: str, operator: str, x: Any, value
         return pytree.tree_unflatten(leaves, spec)
 
     return attach
+
+
+def reads_tracked_besides(y: Any, probes: set[int]) -> bool:
+    """Whether ``y``'s autograd graph reaches a tensor that requires grad other than the probes
+    (``x``'s leaves at preparation): a context or a tensor ``f`` closes over. Walked once, at
+    preparation."""
+    stack = []
+    for leaf in pytree.tree_leaves(y):
+        if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
+            continue
+        if leaf.grad_fn is None:
+            if id(leaf) not in probes:
+                return True
+            continue
+        stack.append(leaf.grad_fn)
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf that requires grad
+                if id(variable) not in probes:
+                    return True
+            else:
+                stack.append(child)
+    return False
