@@ -146,7 +146,8 @@ def _prepare_operator(
     # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
     # evaluated again as before, under no_grad, and reports its own error.
     seen = values if seen_by_f is None else seen_by_f(values)
-    probing = None if compiling else grad_probes(x_run)
+    # (under torch.func transforms requires_grad_ is refused: no probe; calls there are transparent anyway)
+    probing = None if _transparent.under_functorch_or_dynamo() else grad_probes(x_run)
     if probing is not None:
         try:
             with torch.enable_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
