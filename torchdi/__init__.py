@@ -15,6 +15,7 @@ from torchdi.backends import (
     AutoFunc,
     AutoSparse,
     AutoXLA,
+    MixedMode,
     SecondOrder,
     check_available,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "DifferentiateWith",
     "GreedyColoring",
     "KnownSparsity",
+    "MixedMode",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",

@@ -14,6 +14,7 @@ from torchdi.backends import (
     AutoSparse,
     AutoXLA,
     Backend,
+    MixedMode,
     SecondOrder,
 )
 from torchdi.engines.base import Engine
@@ -47,6 +48,10 @@ def engine_for(backend: Backend) -> Engine:
         from torchdi.engines.xla import XLAEngine
 
         return XLAEngine(backend)
+    if isinstance(backend, MixedMode):
+        from torchdi.engines.mixed import MixedModeEngine
+
+        return MixedModeEngine(backend)
     if isinstance(backend, AutoSparse):
         from torchdi.engines.sparse import SparseEngine
 
