@@ -96,6 +96,14 @@ RULE_CASES = {
     "scatter-value": (lambda x: x.scatter(0, torch.tensor([1, 2]), 7.0), torch.rand(4) + 1),
     "pad-value": (lambda x: torch.nn.functional.pad(x, (1, 2), value=4.0), torch.rand(4) + 1),
     "layer-norm": (lambda x: torch.nn.functional.layer_norm(x[:4].reshape(2, 2), (2,), weight=x[4:]).reshape(-1), torch.rand(6)),
+    "index-put-accumulate": (
+        lambda x: torch.zeros(5).index_put((torch.tensor([4, 0, 4]),), x[:3] * x[3:], accumulate=True),
+        torch.rand(6) + 1,
+    ),
+    "index-put-accumulate-2d": (
+        lambda x: x.reshape(2, 3).index_put((torch.tensor([1, 0, 1]), torch.tensor([2, 2, 2])), x[3:] ** 2, accumulate=True).reshape(-1),
+        torch.rand(6) + 1,
+    ),
     "index-add": (lambda x: x[:3].index_add(0, torch.tensor([2, 0, 1]), x[3:]), torch.rand(6) + 1),
     "scatter-add-2d": (
         lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
@@ -111,6 +119,20 @@ def test_tracer_rules_are_exact(case):
     truth = (dense_jacobian(f, x) != 0).numpy()
     assert np.array_equal(result.pattern.to_dense(), truth), case
     assert result.fallbacks == ()
+
+
+def test_indexing_gradient_gives_an_exact_hessian_pattern():
+    # The gradient of x[I] is an index_put(accumulate=True): without its rule the pattern was dense.
+    generator = torch.Generator().manual_seed(0)
+    n = 40
+    i, j = torch.randint(0, n, (60,), generator=generator), torch.randint(0, n, (60,), generator=generator)
+    w = torch.rand(60, generator=generator, dtype=torch.float64)
+    f = lambda x: (w * torch.sin(x[i]) * torch.sin(x[j])).sum()  # noqa: E731
+    x = torch.rand(n, generator=generator, dtype=torch.float64)
+    result = traced(f, x, hessian=True)
+    pattern = IndexSets.union([result.pattern, result.pattern.transpose()]).to_dense()
+    assert result.fallbacks == ()
+    assert np.array_equal(pattern, (torch.autograd.functional.hessian(f, x) != 0).numpy())
 
 
 def test_tracer_is_conservative_where_values_decide():
@@ -211,7 +233,7 @@ def two_coloured_components(pattern: IndexSets, colors: np.ndarray) -> list[tupl
             keep = (rows < cols) & np.isin(colors[rows], (a, b)) & np.isin(colors[cols], (a, b))
             parent = list(range(pattern.nrows))
 
-            def find(v):
+            def find(v, parent=parent):
                 while parent[v] != v:
                     v = parent[v]
                 return v
@@ -565,3 +587,95 @@ def test_sparse_scenarios_pass_test_differentiation():
     from torchdi.testing import test_differentiation
 
     test_differentiation([torchdi.AutoSparse(torchdi.AutoFunc())], sparse_scenarios(sizes=(8,)), rtol=1e-6, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------
+# MixedMode, substitution, post-processing through the public API (issue 26)
+
+
+def arrow(x):
+    return torch.cat([(x**2).sum().reshape(1), x[1:] * x[0] + x[1:] ** 3])
+
+
+def test_mixed_mode_sparse_jacobian_equals_dense():
+    backend = torchdi.AutoSparse(torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc()))
+    x = torch.rand(200, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_jacobian(arrow, backend, torch.rand(200, dtype=torch.float64))
+    assert prep.sparse_mode == "mixed" and prep.ncolors <= 3  # n = 200 in either single direction
+    y, jac = torchdi.value_and_jacobian(arrow, backend, x, prep=prep)
+    assert torch.allclose(y, arrow(x))
+    assert torch.allclose(jac.to_dense(), dense_jacobian(arrow, x))
+    one_sided = torchdi.prepare_jacobian(arrow, torchdi.AutoSparse(torchdi.AutoFunc()), x)
+    assert one_sided.ncolors == 200
+    # A pattern where one direction is as good keeps a single kind of pass.
+    prep = torchdi.prepare_jacobian(diff_square, backend, torch.rand(9, dtype=torch.float64))
+    assert prep.sparse_mode == "forward" and prep.ncolors == 2
+
+
+def test_mixed_mode_compiled_compiles_once_and_mixes_backends():
+    backend = torchdi.AutoSparse(torchdi.MixedMode(torchdi.AutoCompile(compiler="aot_eager"), torchdi.AutoAutograd()))
+    prep = torchdi.prepare_jacobian(arrow, backend, torch.rand(50, dtype=torch.float64))
+    assert prep.sparse_mode == "mixed" and prep.num_compilations == 1
+    for _ in range(2):
+        x = torch.rand(50, dtype=torch.float64) + 0.5
+        assert torch.allclose(torchdi.jacobian(arrow, backend, x, prep=prep).to_dense(), dense_jacobian(arrow, x))
+    assert prep.num_compilations == 1
+
+
+def test_mixed_mode_dense_operators():
+    backend = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoAutograd())
+    x = torch.rand(5, dtype=torch.float64)
+    wide = lambda x: torch.cat([x, x**2, x.sin()])  # noqa: E731 - 15 outputs, 5 inputs: forward mode
+    assert torch.allclose(torchdi.jacobian(wide, backend, x), dense_jacobian(wide, x).reshape(15, 5))
+    assert torch.allclose(torchdi.jacobian(arrow, backend, x), dense_jacobian(arrow, x))
+    assert torch.allclose(torchdi.gradient(chained_rosenbrock, backend, x), torchdi.gradient(chained_rosenbrock, torchdi.AutoAutograd(), x))
+    (dy,) = torchdi.pushforward(wide, backend, x, (torch.ones(5, dtype=torch.float64),))
+    assert torch.allclose(dy, dense_jacobian(wide, x).sum(1))
+    func = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc())
+    assert torch.allclose(torchdi.hessian(chained_rosenbrock, func, x), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    assert torchdi.check_available(func)
+
+
+@pytest.mark.parametrize("dense", [torchdi.AutoFunc(), torchdi.AutoCompile(compiler="aot_eager")], ids=["func", "compile"])
+def test_substitution_hessian_equals_dense(dense):
+    backend = torchdi.AutoSparse(dense, coloring=torchdi.GreedyColoring(decompression="substitution"))
+    x = torch.rand(30, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_hessian(chained_rosenbrock, backend, torch.rand(30, dtype=torch.float64))
+    assert (prep.sparse_mode, prep.ncolors) == ("substitution", 2)  # star colouring needs 3
+    y, grad, hess = torchdi.value_gradient_and_hessian(chained_rosenbrock, backend, x, prep=prep)
+    assert torch.allclose(hess.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    assert torch.allclose(grad, torchdi.gradient(chained_rosenbrock, torchdi.AutoAutograd(), x))
+    x32 = x.float()
+    prep32 = torchdi.prepare_hessian(chained_rosenbrock, backend, x32)
+    hess32 = torchdi.hessian(chained_rosenbrock, backend, x32, prep=prep32)
+    assert hess32.dtype == torch.float32
+    assert torch.allclose(hess32.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x32), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("scenario", [s for s in sparse_scenarios(sizes=(8,)) if s.op == "hessian"], ids=lambda s: s.name)
+def test_substitution_never_more_colours_than_star(scenario):
+    star = torchdi.prepare_hessian(scenario.f, torchdi.AutoSparse(torchdi.AutoFunc()), scenario.x)
+    backend = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(decompression="substitution"))
+    substitution = torchdi.prepare_hessian(scenario.f, backend, scenario.x)
+    assert substitution.ncolors <= star.ncolors
+    hess = torchdi.hessian(scenario.f, backend, scenario.x, prep=substitution)
+    assert torch.allclose(hess.to_dense(), scenario.reference().reshape(hess.shape))
+
+
+def test_no_csr_beta_warning_from_torchdi_results():
+    # torch warns once per process: check in a fresh one.
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch, torchdi\n"
+        "warnings.filterwarnings('error', message='.*Sparse CSR')\n"
+        "b = torchdi.AutoSparse(torchdi.AutoFunc())\n"
+        "p = torchdi.prepare_jacobian(torch.diff, b, torch.ones(5))\n"
+        "torchdi.jacobian(torch.diff, b, torch.ones(5), prep=p)\n"
+        "torchdi.hessian(lambda x: (x**3).sum(), b, torch.ones(4))\n"
+        "p.sparsity_pattern\n"
+        "print('clean')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "clean", done.stderr
