@@ -104,7 +104,10 @@ _CONV = [  # (out channels, in channels, kernel) of three 1-D convolutions, "sam
     (2, 4, 3),
 ]
 _rng = np.random.default_rng(0)
-_CONV_WEIGHTS = [(_rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[1] * shape[2]), _rng.standard_normal(shape[0]).astype(np.float32) * 0.1) for shape in _CONV]
+_CONV_WEIGHTS = [
+    ((_rng.standard_normal(shape) / np.sqrt(shape[1] * shape[2])).astype(np.float32), (_rng.standard_normal(shape[0]) * 0.1).astype(np.float32))
+    for shape in _CONV
+]
 
 
 def convnet(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +172,7 @@ class Asdex:
         return self.block(self.call(self.u))
 
     def dense(self) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.call(self.u).todense()))
+        return torch.from_numpy(np.array(self.call(self.u).todense()))
 
 
 def fmt(seconds: float) -> str:

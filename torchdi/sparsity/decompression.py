@@ -237,7 +237,20 @@ class TorchRecovery:
         return torch.cat([direct, solved.to(flat.dtype)]).index_select(0, self.order)
 
 
+_quiet_done = False
+
+
 def csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """A CSR tensor on the preparation's shared index tensors, without re-validating them."""
-    with quiet_sparse_csr():
+    """A CSR tensor on the preparation's shared index tensors, without re-validating them.
+
+    torch's "Sparse CSR tensor support is in beta state" warning is silenced for torchdi's own
+    results. torch warns once per process, so only the first construction needs the (40 us)
+    ``catch_warnings`` around it; if that one is torchdi's, a user's later CSR code does not see it.
+    """
+    global _quiet_done
+    if _quiet_done:
         return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+    with quiet_sparse_csr():
+        result = torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+    _quiet_done = True
+    return result

@@ -309,9 +309,9 @@ class _Interpreter:
             if isinstance(cond, _Ref) and not cond.fixed:
                 return _Ref(_Store(self.pointwise(value.shape, positional[1:], ref_pos[1:]), fixed))
         if name in ("index_put", "_unsafe_index_put") and (positional[3:4] == (True,) or keywords.get("accumulate")):
-            sets = self.index_put_accumulate(value, positional, ref_pos)
-            if sets is not None:
-                return _Ref(_Store(sets, fixed))
+            accumulated = self.index_put_accumulate(value, positional, ref_pos)
+            if accumulated is not None:
+                return _Ref(_Store(accumulated, fixed))
         elif name in _MOVEMENT:
             sets = self.movement(target, name, value, positional, keywords, ref_pos, ref_kw)
             if sets is not None:
