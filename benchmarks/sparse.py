@@ -108,13 +108,14 @@ _CONV_WEIGHTS = [
     ((_rng.standard_normal(shape) / np.sqrt(shape[1] * shape[2])).astype(np.float32), (_rng.standard_normal(shape[0]) * 0.1).astype(np.float32))
     for shape in _CONV
 ]
+_CONV_TORCH = [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in _CONV_WEIGHTS]
 
 
 def convnet(x: torch.Tensor) -> torch.Tensor:
     """A small 1-D ConvNet as in asdex's benchmarks: (N,) -> (N, 2) flattened."""
     h = x.reshape(1, 1, -1)
-    for w, b in _CONV_WEIGHTS:
-        h = torch.relu(torch.nn.functional.conv1d(h, torch.from_numpy(w), torch.from_numpy(b), padding=w.shape[2] // 2))
+    for w, b in _CONV_TORCH:
+        h = torch.relu(torch.nn.functional.conv1d(h, w, b, padding=w.shape[2] // 2))
     return h[0].T.reshape(-1)
 
 
