@@ -19,8 +19,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from torchdi.backends import AutoAutograd, AutoSparse, MixedMode
-from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
+from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, MixedMode
+from torchdi.engines.compile import CompiledRunner
+from torchdi.runners import (
+    BoundFunction,
+    Spec,
+    _base,
+    _refuse_compiled_double_backward,
+    build_runner,
+    outer_inner,
+    replace_spec,
+)
 from torchdi.sparsity import decompression
 from torchdi.sparsity.coloring import (
     bidirectional_coloring,
@@ -99,6 +108,9 @@ class SparseRunner:
         self.dense_native = dense_native
         self.published: dict[str, Any] = {}
         self.passes: list[tuple[Any, torch.Tensor]] = []  # (runner, seeds) per kind of pass
+        # On AutoCompile: the passes and the decompression as one compiled program
+        # (x, seeds, contexts) -> (y, CSR values); None elsewhere.
+        self.fused: Any = None
         self.gradient: Any = None
         self.prepared = False
         self.recovery = Recovery(np.zeros(0, dtype=np.int64))
@@ -109,7 +121,7 @@ class SparseRunner:
 
     @property
     def num_compilations(self) -> int:
-        runners = [r for r, _ in self.passes] + ([self.gradient] if self.gradient is not None else [])
+        runners = [r for r, _ in self.passes] + [r for r in (self.fused, self.gradient) if r is not None]
         return sum(int(getattr(r, "num_compilations", 0)) for r in runners)
 
     def _color_jacobian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
@@ -163,15 +175,28 @@ class SparseRunner:
         self.recovery = recovery
         self.on_device = {}
         self.passes = []
+        self.fused = None
+        dense = self.backend.dense
+        compiled = isinstance(dense, AutoCompile) and dense.fullgraph
         for family, colors in passes:
             meta = self.spec.y if family == "pullback" else self.spec.x
             count = int(colors.max(initial=-1)) + 1
             if not count:
                 continue
             seed = decompression.seeds(colors, meta.numel, meta.dtypes[0], x.device).reshape(count, *meta.shapes[0])
-            runner = build_runner(self.backend.dense, family, self.f, replace_spec(self.spec, n_tangents=count))
-            _warm(runner, x, seed, contexts)
+            spec = replace_spec(self.spec, n_tangents=count)
+            if compiled:  # the eager pass, compiled below together with the decompression
+                assert isinstance(dense, AutoCompile)
+                _refuse_compiled_double_backward(dense, family, spec)
+                runner = build_runner(dense.inner, family, self.f, spec)
+            else:
+                runner = build_runner(dense, family, self.f, spec)
+                _warm(runner, x, seed, contexts)
             self.passes.append((runner, seed))
+        if compiled and self.passes:
+            assert isinstance(dense, AutoCompile) and len(self.passes) == 1
+            self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), dense, self.family, self.f)
+            _warm(self.fused, x, self.passes[0][1], contexts)
         if hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
@@ -213,6 +238,14 @@ class SparseRunner:
         def call(runner: Any, tangents: Any) -> Any:
             return (getattr(runner, "checked_call", runner) if checked else runner)(x, tangents, contexts)
 
+        if self.fused is not None:
+            y, values = call(self.fused, self.passes[0][1])
+            crow, col, _ = self._device(values.device)
+            matrix = decompression.csr(crow, col, values, self.shape)
+            if self.family == "hessian":
+                value, grad = call(self.gradient, None)
+                return value, grad, matrix
+            return y, matrix
         if self.family == "hessian":
             y, grad = call(self.gradient, None)
             compressed = [call(runner, seed)[1] for runner, seed in self.passes]
@@ -229,6 +262,17 @@ class SparseRunner:
     def checked_call(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call whose strict check has passed: the dense runners may take their fast paths."""
         return self._run(x, contexts, checked=True)
+
+
+def _fused(runner: Any, recovery: TorchRecovery, backend: AutoCompile, family: str, f: Any) -> CompiledRunner:
+    """The compressed pass and the decompression, compiled as one program: ``(x, seeds, contexts)
+    -> (y or gradient, CSR values)``. The recovery's index tensors are constants of the program."""
+
+    def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
+        first, compressed = runner(x, seeds, contexts)
+        return first, recovery.values(compressed.reshape(-1))
+
+    return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)))
 
 
 def _warm(runner: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
