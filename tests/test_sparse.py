@@ -643,6 +643,7 @@ def test_substitution_hessian_equals_dense(dense):
     prep = torchdi.prepare_hessian(chained_rosenbrock, backend, torch.rand(30, dtype=torch.float64))
     assert (prep.sparse_mode, prep.ncolors) == ("substitution", 2)  # star colouring needs 3
     y, grad, hess = torchdi.value_gradient_and_hessian(chained_rosenbrock, backend, x, prep=prep)
+    assert torch.allclose(y, chained_rosenbrock(x))
     assert torch.allclose(hess.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
     assert torch.allclose(grad, torchdi.gradient(chained_rosenbrock, torchdi.AutoAutograd(), x))
     x32 = x.float()
