@@ -211,9 +211,11 @@ class AutoSparse:
             the preparation point) or ``KnownSparsity(pattern)``.
         coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``.
 
-    The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors``, ``colors``,
-    ``groups`` (the indices of each colour), ``sparse_mode`` (``"forward"``, ``"reverse"``,
-    ``"mixed"``, ``"star"`` or ``"substitution"``) and ``sparsity_fallbacks`` (ops the tracer had no rule for).
+    The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors`` (the number
+    of compressed passes), ``colors`` (``"mixed"``: a pair, column colours then row colours, ``-1``
+    for a column or row in no pass), ``groups`` (the indices of each colour, forward ones first),
+    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``)
+    and ``sparsity_fallbacks`` (ops the tracer had no rule for).
 
     Example::
 
