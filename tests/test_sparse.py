@@ -298,8 +298,9 @@ def test_column_colouring_groups_are_structurally_orthogonal(order, seed):
 
 @pytest.mark.parametrize("order", ALL_ORDERS)
 @pytest.mark.parametrize("seed", range(3))
-def test_star_and_acyclic_colourings_are_valid_and_recover_the_hessian(order, seed):
-    pattern = random_symmetric(30, 0.12, seed)
+@pytest.mark.parametrize("density", [0.12, 0.6])
+def test_star_and_acyclic_colourings_are_valid_and_recover_the_hessian(order, seed, density):
+    pattern = random_symmetric(30, density, seed)
     values = symmetric_values(pattern, seed)
     star = star_coloring(pattern, GreedyColoring(order, seed=seed))
     acyclic = acyclic_coloring(pattern, GreedyColoring(order, seed=seed))
