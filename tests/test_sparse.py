@@ -681,3 +681,15 @@ def test_no_csr_beta_warning_from_torchdi_results():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "clean", done.stderr
+
+
+@pytest.mark.parametrize("band", [5, 10, 20])
+def test_colour_counts_on_difftest_banded_scenarios(band):
+    # DifferentiationInterfaceTest's sparse scenarios: A * x.^2 with an upper banded A (n = 50) and
+    # the quadratic form dot(x.^2, A, x.^2), whose hessian has half-bandwidth `band`.
+    i = np.arange(50)
+    upper = IndexSets.from_dense((i[None, :] - i[:, None] >= 0) & (i[None, :] - i[:, None] <= band))
+    assert column_coloring(upper, GreedyColoring()).max() + 1 == band + 1  # optimal: a row holds band + 1
+    hessian = IndexSets.from_dense(np.abs(i[:, None] - i[None, :]) <= band)
+    assert acyclic_coloring(hessian, GreedyColoring()).max() + 1 == band + 1  # optimal: a clique of band + 1
+    assert star_coloring(hessian, GreedyColoring()).max() + 1 <= 2 * band + 1
