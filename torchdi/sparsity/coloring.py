@@ -562,6 +562,8 @@ def _keep_units(graph: IndexSets, units: np.ndarray, forced: np.ndarray, colors:
     twin[order[0::2]], twin[order[1::2]] = order[1::2], order[0::2]
     a = np.where(ok[first], units[cols[first]], -1)
     b = np.where(ok[twin[first]], units[rows[first]], -1)
+    if np.any((a < 0) & (b < 0)):
+        raise ValueError("postprocessing: the colouring leaves an entry that no colour can be read from")
     keep = np.zeros(max(nunits, 1), dtype=bool)
     keep[forced[forced >= 0]] = True
     keep[a[b < 0][a[b < 0] >= 0]] = True
