@@ -693,3 +693,12 @@ def test_colour_counts_on_difftest_banded_scenarios(band):
     hessian = IndexSets.from_dense(np.abs(i[:, None] - i[None, :]) <= band)
     assert acyclic_coloring(hessian, GreedyColoring()).max() + 1 == band + 1  # optimal: a clique of band + 1
     assert star_coloring(hessian, GreedyColoring()).max() + 1 <= 2 * band + 1
+
+
+def test_postprocessing_refuses_a_colouring_that_is_not_star():
+    from torchdi.sparsity.coloring import postprocess_symmetric
+
+    path = IndexSets.from_dense(banded(4, 1, 1) & ~np.eye(4, dtype=bool))  # 0-1-2-3 in two colours
+    with pytest.raises(ValueError, match="no colour can be read from"):
+        postprocess_symmetric(path, np.array([0, 1, 0, 1]))
+    assert star_recovery(path, np.array([0, 1, 0, 1])) is None
