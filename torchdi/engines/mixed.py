@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torchdi.backends import MixedMode, SecondOrder
-from torchdi.engines.base import ALL_FAMILIES
+from torchdi.families import ALL_FAMILIES
+from torchdi.runners import build_runner, engine_for, register_engine
 
 __all__ = ["MixedModeEngine"]
 
@@ -26,14 +27,10 @@ class MixedModeEngine:
     native: ClassVar[frozenset[str]] = ALL_FAMILIES
 
     def __init__(self, backend: MixedMode) -> None:
-        from torchdi.engines import engine_for
-
         self.backend = backend
         self.keeps_static = engine_for(backend.forward).keeps_static or engine_for(backend.reverse).keeps_static
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        from torchdi.runners import build_runner
-
         if family in _FORWARD:
             return build_runner(self.backend.forward, family, f, spec)
         if family in _REVERSE:
@@ -41,3 +38,6 @@ class MixedModeEngine:
         if family in _SECOND:
             return build_runner(SecondOrder(self.backend.forward, self.backend.reverse), family, f, spec)
         return None  # jacobian: the generic one, columns or rows by size
+
+
+register_engine(MixedMode, MixedModeEngine)

@@ -14,21 +14,29 @@ of the preparation.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, MixedMode
+from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
+from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
 from torchdi.engines.compile import CompiledRunner
+from torchdi.engines.sparse_check import rows_missing_nonzeros
+from torchdi.errors import user_stacklevel
+from torchdi.families import FAMILIES, MATRIX_FAMILIES
 from torchdi.runners import (
     BoundFunction,
     Spec,
-    _base,
-    _refuse_compiled_double_backward,
     build_runner,
-    outer_inner,
+    checked_entry,
+    engine_for,
+    num_compilations,
+    register_engine,
     replace_spec,
+    warm_up,
+    zero_runner,
 )
 from torchdi.sparsity import decompression
 from torchdi.sparsity.coloring import (
@@ -45,7 +53,7 @@ from torchdi.sparsity.decompression import (
     star_recovery,
     substitution_recovery,
 )
-from torchdi.sparsity.dense import DenseSparsity, dense_sparsity
+from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import trace_sparsity
@@ -57,22 +65,39 @@ class SparseEngine:
     """Builds the sparse jacobian and hessian runners; every other family is the dense backend's."""
 
     native: ClassVar[frozenset[str]] = frozenset()
+    # Families whose runner also serves an empty x or f(x) (a CSR result and its prep attributes,
+    # rather than the generic dense zero map).
+    builds_empty: ClassVar[frozenset[str]] = MATRIX_FAMILIES
 
     def __init__(self, backend: AutoSparse) -> None:
-        from torchdi.engines import engine_for
-
         self.backend = backend
         self.dense_engine = engine_for(backend.dense)
-        self.native = self.dense_engine.native | {"jacobian", "hessian"}  # type: ignore[misc]
+        self.native = self.dense_engine.native | MATRIX_FAMILIES  # type: ignore[misc]
 
     @property
     def keeps_static(self) -> bool:
         return bool(self.dense_engine.keeps_static)
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        if family in ("jacobian", "hessian"):
+        if FAMILIES[family].matrix:
             return SparseRunner(self.backend, family, f, spec, self.dense_engine.native)
         return build_runner(self.backend.dense, family, f, spec)
+
+
+def dense_sparsity(
+    detector: DenseSparsity, default: Any, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool
+) -> IndexSets:
+    """The non-zeros (above ``atol``) of the dense jacobian (``hessian``: hessian) at ``x``, flattened."""
+    backend = detector.backend
+    if backend is None:
+        backend = default
+        while isinstance(backend, (AutoCompile, AutoXLA)):
+            backend = backend.inner
+    runner = build_runner(backend, "hessian" if hessian else "jacobian", f, spec)
+    warm_up(runner, x, None, contexts)
+    matrix = runner(x, None, contexts)[-1]
+    rows = spec.x.numel if hessian else spec.y.numel
+    return IndexSets.from_dense((matrix.detach().reshape(rows, spec.x.numel).abs() > detector.atol).cpu())
 
 
 def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool) -> tuple[IndexSets, tuple[str, ...]]:
@@ -88,6 +113,20 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
     pattern = traced.pattern
     if hessian:  # symmetric by nature; the traced gradient graph may only show one side
         pattern = IndexSets.union([pattern, pattern.transpose()])
+    missing = rows_missing_nonzeros(pattern, backend.dense, f, spec, x, contexts, hessian)
+    if missing.size:
+        # A tracer defect (a wrong graph or rule): never a silently missing entry. The dense
+        # pattern is the only one that holds for every x (what one probe sees does not).
+        warnings.warn(
+            f"TracerSparsity: the traced {'hessian' if hessian else 'jacobian'} pattern misses non-zeros that "
+            f"f's own derivative shows at the preparation point (in {missing.size} rows or columns): the tracer "
+            "got an op of f wrong. Falling back to the dense pattern (every entry): results are correct, "
+            "without the sparse speed-up. Pass sparsity=KnownSparsity(pattern) or DenseSparsity() for speed, "
+            "and please report f's ops.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        pattern = IndexSets.full(m, n)
     return pattern, traced.fallbacks
 
 
@@ -121,8 +160,8 @@ class SparseRunner:
 
     @property
     def num_compilations(self) -> int:
-        runners = [r for r, _ in self.passes] + [r for r in (self.fused, self.gradient) if r is not None]
-        return sum(int(getattr(r, "num_compilations", 0)) for r in runners)
+        runners = [r for r, _ in self.passes] + [self.fused, self.gradient]
+        return sum(num_compilations(r) for r in runners)
 
     def _color_jacobian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
         """The jacobian's mode, its passes (family, colours) and recovery."""
@@ -142,7 +181,7 @@ class SparseRunner:
                 return "mixed", [("pushforward", mixed_columns), ("pullback", mixed_rows)], recovery
         # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
         # whose forward mode is a double backward (twice the work, and not compilable).
-        prefer_reverse = _base(self.backend.dense) is AutoAutograd
+        prefer_reverse = base_type(self.backend.dense) is AutoAutograd
         if columns is not None and (
             rows is None or n_columns < n_rows or (n_columns == n_rows and not prefer_reverse)  # type: ignore[operator]
         ):
@@ -163,10 +202,13 @@ class SparseRunner:
         """Detect, colour, and prepare the dense backend's batched runners on the colour seeds."""
         hessian = self.family == "hessian"
         start = time.perf_counter()
-        pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
-        detected = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
+        if m and n:
+            pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
+        else:  # an empty x or f(x): the empty pattern, no colour, no pass
+            pattern, fallbacks = IndexSets.empty(m, n), ()
+        detected = time.perf_counter()
         mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
         colored = time.perf_counter()
         self.shape = (m, n)
@@ -187,20 +229,22 @@ class SparseRunner:
             spec = replace_spec(self.spec, n_tangents=count)
             if compiled:  # the eager pass, compiled below together with the decompression
                 assert isinstance(dense, AutoCompile)
-                _refuse_compiled_double_backward(dense, family, spec)
+                refuse_compiled_double_backward(dense, family, spec)
                 runner = build_runner(dense.inner, family, self.f, spec)
             else:
                 runner = build_runner(dense, family, self.f, spec)
-                _warm(runner, x, seed, contexts)
+                warm_up(runner, x, seed, contexts)
             self.passes.append((runner, seed))
         if compiled and self.passes:
             assert isinstance(dense, AutoCompile) and len(self.passes) == 1
             self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), dense, self.family, self.f)
-            _warm(self.fused, x, self.passes[0][1], contexts)
-        if hessian:
+            warm_up(self.fused, x, self.passes[0][1], contexts)
+        if hessian and n == 0:
+            self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
+        elif hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
-            _warm(self.gradient, x, None, contexts)
+            warm_up(self.gradient, x, None, contexts)
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
         ncolors = sum(int(c.max(initial=-1)) + 1 for _, c in passes)
@@ -236,7 +280,7 @@ class SparseRunner:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
         def call(runner: Any, tangents: Any) -> Any:
-            return (getattr(runner, "checked_call", runner) if checked else runner)(x, tangents, contexts)
+            return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
 
         if self.fused is not None:
             y, values = call(self.fused, self.passes[0][1])
@@ -275,7 +319,4 @@ def _fused(runner: Any, recovery: TorchRecovery, backend: AutoCompile, family: s
     return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)))
 
 
-def _warm(runner: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        warm_up(x, tangents, contexts)
+register_engine(AutoSparse, SparseEngine)
