@@ -8,7 +8,7 @@ against ``asdex.jacobian_sparsity``/``hessian_sparsity``, medians of 3), the pre
 call). Problems: asdex's own benchmark problems (heat equation N=200, its small ConvNet, a
 Rosenbrock hessian N=200) and the 2-D Brusselator N=8..64, then torchdi-only ones. Every sparse
 result is checked against the dense one and against asdex's (``ok``). The asdex columns read
-``n/a`` when ``jax``/``asdex`` are not importable (``pip install 'torchdi[bench]'``). The last rows
+``n/a`` when ``jax``/``asdex`` are not importable (``pip install 'torchdi[asdex]'``). The last rows
 time the colouring alone: a 10^5 x 10^5 banded pattern (5 non-zeros per row) per vertex order,
 a 10^5 tridiagonal hessian (star, acyclic), an n=1e4 arrowhead jacobian (bidirectional) and a
 dense 300 x 300 hessian.
