@@ -166,7 +166,7 @@ def _prepare_operator(
     check_output(y, row, operator)
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
-    reads_tracked = probing is not None and _transparent.reads_tracked_besides(y, probing[1])
+    reached = _transparent.reads_tracked_besides(y, probing[1]) if probing is not None else []
     if probing is not None and x_unused(y, probing[1], bound, x_run, seen):
         warnings.warn(
             f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
@@ -215,7 +215,8 @@ def _prepare_operator(
         engine.keeps_static,
         output_shape,
     )
-    prep.reads_tracked = reads_tracked
+    del probing  # y and the probes are gone: what f made dies with them, what it reads stays
+    prep.reads_tracked = any(ref() is not None for ref in reached)
     if spec.x.numel and spec.y.numel:
         # Runners for calls under outer transforms, built on the first such call: under torch.func
         # transforms and dynamo, torch.autograd.grad cannot run (the same derivative from

@@ -29,6 +29,7 @@ backends that compose. They never return a result the outer transform would see 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -214,17 +215,20 @@ def backward_refusal(backend: Backend, family: str, operator: str, x: Any, value
     return attach
 
 
-def reads_tracked_besides(y: Any, probes: set[int]) -> bool:
-    """Whether ``y``'s autograd graph reaches a tensor that requires grad other than the probes
-    (``x``'s leaves at preparation): a context or a tensor ``f`` closes over. Walked once, at
-    preparation."""
+def reads_tracked_besides(y: Any, probes: set[int]) -> list[Any]:
+    """Weak references to the tensors that require grad, other than the probes (``x``'s leaves at
+    preparation), that ``y``'s autograd graph reaches: a context or a tensor ``f`` closes over.
+    Walked once, at preparation. The caller checks which are still alive once ``y`` is dropped:
+    leaves ``f`` made itself (an ``f`` calling ``torch.autograd.grad`` on a detached copy, an inner
+    ``AutoAutograd`` operator) die with ``y``'s graph; what ``f`` reads from outside stays."""
+    found: list[Any] = []
     stack = []
     for leaf in pytree.tree_leaves(y):
         if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad:
             continue
         if leaf.grad_fn is None:
             if id(leaf) not in probes:
-                return True
+                found.append(weakref.ref(leaf))
             continue
         stack.append(leaf.grad_fn)
     seen: set[int] = set()
@@ -239,7 +243,7 @@ def reads_tracked_besides(y: Any, probes: set[int]) -> bool:
             variable = getattr(child, "variable", None)
             if variable is not None:  # AccumulateGrad: a leaf that requires grad
                 if id(variable) not in probes:
-                    return True
+                    found.append(weakref.ref(variable))
             else:
                 stack.append(child)
-    return False
+    return found
