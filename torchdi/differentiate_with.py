@@ -32,12 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
-from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import _BACKEND_TYPES, Backend, require_available
 from torchdi.contexts import Constant, Context, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.engines._dynamo import apply_function, forward_ad_level, transforms_active
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.prep import Prep, describe, describe_contexts
 
@@ -448,23 +447,13 @@ def _evaluate(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
 def _differentiable(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether anything may differentiate a call on ``tensors``: a torch.func transform, forward-mode
     AD, or eager autograd with an input that requires grad."""
-    if torch._C._are_functorch_transforms_active() or _forward_ad_level() >= 0:
+    if transforms_active() or forward_ad_level() >= 0:
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _forward_ad_level() -> int:
-    return int(getattr(fwAD, "_current_level", -1))
-
-
-def _apply(function: Any, *args: Any) -> Any:
-    """``function.apply(*args)``. Outside torch.func transforms, ``Function.apply`` only binds
-    default arguments with ``inspect.signature`` (70 us per call for setup_context-style Functions,
-    which have none here) before the C++ apply: call that directly. Under a transform the full path
-    (``custom_function_call``) is needed."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+# ``function.apply(*args)``, without Function.apply's Python argument binding where torch allows.
+_apply = apply_function
 
 
 class _Value(torch.autograd.Function):

@@ -31,8 +31,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
+from torchdi.engines._dynamo import (
+    GRAPH_BREAK_ERRORS,
+    RECOMPILE_LIMIT,
+    DynamoCache,
+    compile_function,
+    compiler_for,
+    config_value,
+    forget_float_specializations,
+    fresh_entry_point,
+    release,
+)
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner
 from torchdi.translate import copyto_, to_device_tensor
 
@@ -49,35 +59,20 @@ def _logging_calls() -> set[Any]:
 
 
 def _dynamo_settings() -> dict[str, Any]:
-    """The dynamo settings every compilation of a preparation runs under."""
-    config = torch._dynamo.config
+    """The dynamo settings every compilation of a preparation runs under (``_dynamo`` leaves
+    out, with one warning, a knob this torch does not have)."""
     # A logging call is a graph break in dynamo, and real model code logs (transformers' losses
     # do): the compiled program skips such calls; f's eager run at preparation logs. (The knob's
     # name before torch 2.10: ignore_logger_methods.)
-    logging_knob = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
-    settings: dict[str, Any] = {
+    logging_knob = "ignore_logging_functions" if config_value("ignore_logging_functions", None) is not None else "ignore_logger_methods"
+    return {
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
         "capture_scalar_outputs": True,
-        **RECOMPILE_LIMITS,
-        logging_knob: set(getattr(config, logging_knob)) | _logging_calls(),
+        "recompile_limit": RECOMPILE_LIMIT,
+        "accumulated_recompile_limit": RECOMPILE_LIMIT,
+        logging_knob: set(config_value(logging_knob, ())) | _logging_calls(),
     }
-    return settings
-
-
-def _forget_float_specializations() -> None:
-    """Empty dynamo's record of the symbolic floats it had to specialize.
-
-    Dynamo keeps that record by symbol name ("zf0") in a process-wide set that outlives the
-    frame it was made for, so the first float of a later, unrelated compilation is specialized
-    too (and then recompiles on every new value). It is only meant for the restarts within one
-    compilation, which happen inside dynamo, between these calls.
-    """
-    try:
-        from torch._dynamo.symbolic_convert import TensorifyState
-    except ImportError:  # an older torch without symbolic floats
-        return
-    TensorifyState.clear()
 
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
@@ -121,9 +116,8 @@ class _CountingCompiler:
         self.owner = weakref.ref(owner)
         options = dict(backend.options) if backend.options else None
         if backend.compiler == "inductor":
-            self.compiler: Any = torch._TorchCompileInductorWrapper(backend.mode, inductor_options(options), backend.dynamic)
-        else:
-            self.compiler = torch._TorchCompileWrapper(backend.compiler, backend.mode, options, backend.dynamic)
+            options = inductor_options(options)
+        self.compiler: Any = compiler_for(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -243,7 +237,7 @@ class CompiledRunner:
         entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": inner})
         self._entry_holder.append(entry)
         self._cache = DynamoCache(entry)
-        self._compiled = torch.compile(
+        self._compiled = compile_function(
             entry,
             backend=self._compiler,
             fullgraph=self.backend.fullgraph,
@@ -263,7 +257,7 @@ class CompiledRunner:
             # variant is prepared on its first call, inside a user's fail_on_recompile block).
             with torch.compiler.set_stance("default"):
                 self._through_dynamo(x, tangents, contexts)
-        except torch._dynamo.exc.Unsupported as error:
+        except GRAPH_BREAK_ERRORS as error:
             reason = str(error).strip().splitlines()
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
@@ -280,7 +274,7 @@ class CompiledRunner:
                 "everywhere). Run it with fullgraph=True to see why.",
                 self.name,
             )
-        elif self.num_graphs > 1 or not self.fast_path:
+        elif self.num_graphs > 1 or (not self.fast_path and self._cache is not None and self._cache.readable):
             logger.warning(
                 "torchdi: AutoCompile captured the %s in %d graph(s) of %d operation(s) in all; graph "
                 "breaks leave the rest to eager Python, and every call goes through dynamo. "
@@ -295,12 +289,12 @@ class CompiledRunner:
         assert self._cache is not None  # made by warm_up, before the first call
         if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()
-        _forget_float_specializations()
+        forget_float_specializations()
         try:
             arguments = (x, tangents, contexts)
             return self._cache.call(self._compiled, arguments, dict(zip(("x", "tangents", "contexts"), arguments)), _dynamo_settings())
         finally:
-            _forget_float_specializations()
+            forget_float_specializations()
 
     # -- calls ---------------------------------------------------------------------------------
 

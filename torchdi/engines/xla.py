@@ -3,7 +3,7 @@
 Preparation compiles ``torch.compile(runner, backend="openxla")``: dynamo captures the runner
 (the same one ``AutoCompile`` compiles) in one graph, torch-xla lowers it to an XLA program
 once, and every later call only runs the cached program (``_run_cached_graph``). Calls are as
-sound as raw ``torch.compile`` (rule 7), as on ``AutoCompile`` (``dynamo_cache``): each call
+sound as raw ``torch.compile`` (rule 7), as on ``AutoCompile`` (``_dynamo``): each call
 evaluates dynamo's guards for the preparation's cache entries (globals, closure cells,
 attributes, grad mode ...) and runs dynamo's transformed code for the entry whose guards pass,
 without ``torch.compile``'s per-call wrapper; a failed guard recompiles through
@@ -46,13 +46,23 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoXLA
+from torchdi.engines import _xla_private
+from torchdi.engines._dynamo import (
+    RECOMPILE_LIMIT,
+    DynamoCache,
+    compile_function,
+    fresh_entry_point,
+    release,
+)
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.translate import to_device_tensor, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
 logger = logging.getLogger("torchdi")
+
+# The dynamo settings every call through torch.compile of a preparation's entry point runs under.
+_RECOMPILE_LIMITS = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
 
 
 @functools.cache
@@ -127,19 +137,29 @@ class _CountingOpenXLA:
     """
 
     def __init__(self, owner: XLARunner) -> None:
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.torchxla import openxla_eval_boxed
-
         self.owner = weakref.ref(owner)  # the runner owns this compiler, not the reverse
-        self._openxla_eval_boxed = openxla_eval_boxed
-        from torch._decomp import get_decompositions
-
+        found = _xla_private.hooks()
+        if found.aot_autograd is None or found.openxla_eval_boxed is None or found.get_decompositions is None:
+            # Public path: torch.compile(graph, backend="openxla"). Its forward graph cannot be
+            # inspected, so every program is taken as random (seeded each call: same results).
+            _xla_private.warn_off("openxla_parts")
+            self._openxla_eval_boxed: Any = None
+            self._aot: Any = self._public
+            return
+        self._openxla_eval_boxed = found.openxla_eval_boxed
         # torch-xla lowers batch norm's backward only in training mode (an eval-mode BatchNorm
         # fails with "size of mean should be compatible"): decompose it into elementwise ops.
-        self._aot = aot_autograd(
+        self._aot = found.aot_autograd(
             fw_compiler=self._forward,
-            decompositions=get_decompositions([torch.ops.aten.native_batch_norm_backward]),
+            decompositions=found.get_decompositions([torch.ops.aten.native_batch_norm_backward]),
         )
+
+    def _public(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        owner = self.owner()
+        if owner is not None:
+            owner.random = True
+        compiled = torch.compile(graph, backend="openxla", fullgraph=True, dynamic=False)
+        return lambda *args: compiled(*args)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         compiled = self._aot(graph, example_inputs)
@@ -385,7 +405,7 @@ class XLARunner:
         entry = _graph_entry(self.runner, spec, self.scalar_slots)
         self._entry_holder.append(entry)
         self.cache = DynamoCache(entry)
-        self._compiled = torch.compile(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
+        self._compiled = compile_function(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
         try:
             self(x, tangents, contexts)
         except Exception as error:  # dynamo cannot capture it, or the bridge cannot lower it
@@ -460,15 +480,13 @@ class XLARunner:
             transformed = cache.lookup({"leaves": leaves})
             if transformed is not None:
                 return transformed(*leaves)
-        return cache.call(self._compiled, leaves, {"leaves": leaves}, RECOMPILE_LIMITS)
+        return cache.call(self._compiled, leaves, {"leaves": leaves}, _RECOMPILE_LIMITS)
 
     def _lazy(self, leaves: list[Any]) -> Any:
         """The fallback: trace with lazy tensors, materialize only this call's outputs."""
-        import torch_xla
-
         pending = [leaf for leaf in leaves if _is_xla(leaf)]
         # The caller's own pending work must not join (and change) our graph.
-        torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
+        _xla_private.sync(pending)
         before = _uncached_compiles()
         items = [leaf.view(()) if i in self.scalar_slots else leaf for i, leaf in enumerate(leaves)]
         assert self._spec is not None  # set by warm_up
@@ -476,7 +494,7 @@ class XLARunner:
         with _FunctorchSafePooling():
             result = self.runner(x, tangents, contexts)
         outputs = [leaf for leaf in pytree.tree_leaves(result) if _is_xla(leaf)]
-        torch_xla._XLAC._xla_sync_multi(outputs, devices=[], wait=True)  # this call's outputs only
+        _xla_private.sync(outputs)  # this call's outputs only
         self.num_compilations += _uncached_compiles() - before
         return result
 
@@ -490,9 +508,7 @@ def _to_host(result: Any, updated: list[tuple[torch.Tensor, torch.Tensor]], outp
     positions = [i for i, leaf in enumerate(leaves) if _is_xla(leaf)] if outputs else []
     if not positions and not updated:
         return result
-    import torch_xla
-
-    fetched = torch_xla._XLAC._xla_get_cpu_tensors([device for _, device in updated] + [leaves[i] for i in positions])
+    fetched = _xla_private.to_cpu([device for _, device in updated] + [leaves[i] for i in positions])
     with torch.no_grad():
         for (host, _), value in zip(updated, fetched):
             host.copy_(value.reshape(host.shape))
