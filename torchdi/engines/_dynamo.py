@@ -117,6 +117,15 @@ def _tensorify_state() -> Any:
     return TensorifyState
 
 
+def _lookup_backend() -> Callable[[str], Any]:
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend
+
+
+# torch 2.0 .. 2.14.1: dynamo's registry of backends by name (the compiler wrappers' fallback).
+_LOOKUP_BACKEND: Callable[[str], Any] | None = _probe(_lookup_backend)
+
 # torch 2.6 .. 2.14.1 (symbolic floats).
 _TENSORIFY_STATE: Any = _probe(_tensorify_state)
 
@@ -230,37 +239,27 @@ def release_code(code: types.CodeType | None, backend_key: int) -> bool:
 # -- compiling ---------------------------------------------------------------------------------
 
 
-class _PublicCompiler:
-    """A dynamo backend that compiles each graph with a public ``torch.compile`` call."""
-
-    def __init__(self, compiler: str, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> None:
-        self.compiler_name = compiler
-        self.mode, self.options, self.dynamic = mode, options, dynamic
-
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        settings: dict[str, Any] = {"backend": self.compiler_name, "dynamic": self.dynamic, "fullgraph": True}
-        if self.mode is not None and self.options:
-            # torch.compile takes one of mode= and options=: the mode's own options, then the user's.
-            mode_options = _probe(lambda: torch._inductor.list_mode_options(self.mode, self.dynamic))
-            if mode_options is None:
-                settings["mode"] = self.mode  # the options cannot be joined to it on this torch
-            else:
-                settings["options"] = {**mode_options, **self.options}
-        elif self.mode is not None:
-            settings["mode"] = self.mode
-        elif self.options:
-            settings["options"] = self.options
-        compiled = torch.compile(graph, **settings)
-        return lambda *args: compiled(*args)
-
-
 def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> Any:
     """The dynamo backend ``torch.compile(backend=compiler, mode=mode, options=options,
-    dynamic=dynamic)`` would use, as an object torchdi can call on each graph (to count them)."""
+    dynamic=dynamic)`` would use, as an object torchdi can call on each graph (to count them).
+
+    Without torch.compile's own wrappers: dynamo's backend registry (``lookup_backend``, what
+    ``torch.compile`` resolves a backend name with), and ``mode``/``options`` are then not applied
+    (named in the warning: slower, e.g. no CUDA graphs, same results). A backend called from
+    dynamo cannot itself go through a public ``torch.compile`` (dynamo skips FX-generated code).
+    """
     wrappers = _COMPILER_WRAPPERS
     if wrappers is None:
-        warn_off("compiler_wrappers")
-        return _PublicCompiler(compiler, mode, options, dynamic)
+        lookup = _LOOKUP_BACKEND
+        if lookup is None:
+            raise RuntimeError(
+                f"AutoCompile: torch {torch.__version__} has neither torch._TorchCompileWrapper nor "
+                "torch._dynamo.lookup_backend, which torchdi compiles through; use AutoFunc() (eager) "
+                "or a torch torchdi supports (see README, Versions)."
+            )
+        ignored = ", ".join(name for name, value in (("mode", mode), ("options", options)) if value)
+        warn_off("compiler_wrappers", f"compiling with dynamo's {compiler!r} backend" + (f", without {ignored}" if ignored else ""))
+        return lookup(compiler)
     inductor, generic = wrappers
     if compiler == "inductor":
         return inductor(mode, options, dynamic)
