@@ -36,7 +36,7 @@ BACKENDS = {
     "compile-aot_eager": td.AutoCompile(compiler="aot_eager"),
     "compile-inductor": td.AutoCompile(),
     "finitediff": td.AutoFiniteDiff(),
-    "second-order": td.SecondOrder(td.AutoFunc(), td.AutoAutograd()),
+    "second-order": td.SecondOrder(td.AutoAutograd(), td.AutoFunc()),
 }
 
 
