@@ -58,7 +58,8 @@ SCALE = 2.0
 
 
 def uses_global(x, c, k):
-    return SCALE * k * (torch.sin(x) * c).sum()
+    # (no Python arithmetic on k: torch 2.9 would specialize it, see test_compile_soundness)
+    return (torch.sin(x) * c).sum() * k * SCALE
 
 
 def _closure():

@@ -545,6 +545,6 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
         scope = holder[0].__globals__
         for name in scope.get("__torchdi_names__", ()):  # ours: dynamo's hooks remove its own
             scope.pop(name, None)
-        if not released:
+        if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
             for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
-                scope.pop(name, None)
+                scope[name] = None
