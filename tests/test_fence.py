@@ -156,6 +156,10 @@ def _check_differentiate_with():
     torch.testing.assert_close(xr.grad, 4.0 * torch.cos(2.0 * x))
     # and an eager backend's operator, whose calls switch grad mode
     torch.testing.assert_close(td.gradient(lambda z: g(z).sum(), td.AutoAutograd(), x), 2.0 * torch.cos(x))
+    assert torch.is_grad_enabled()  # the caller's grad mode, restored
+    with torch.no_grad():
+        td.gradient(lambda z: g(z).sum(), td.AutoAutograd(), x)
+        assert not torch.is_grad_enabled()
 
 
 @pytest.mark.parametrize("name", sorted(AUTOGRAD_HOOKS))
