@@ -187,7 +187,7 @@ class CompiledRunner:
         name: the user's function, for messages.
     """
 
-    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str) -> None:
+    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str, state_contexts: tuple[int, ...] = ()) -> None:
         self.num_compilations = 0
         self.num_graphs = 0
         self.num_ops = 0
@@ -197,6 +197,9 @@ class CompiledRunner:
         self.inner = runner
         self.translate = True
         self.float_positions: tuple[int, ...] = ()
+        # The positions of the State contexts: f updates them in place, and a State tensor
+        # copied to the compiled layout must have its update copied back.
+        self.state_contexts = state_contexts
         self.autocast: dict[str, torch.dtype] = {}
         self._cache: DynamoCache | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
@@ -330,8 +333,19 @@ class CompiledRunner:
             dense = _contiguous((x, tangents, contexts))
             transformed = cache.lookup({"x": dense[0], "tangents": dense[1], "contexts": dense[2]})
             if transformed is not None:
-                return transformed(*dense)
+                result = transformed(*dense)
+                self._copy_back_states(contexts, dense[2])
+                return result
         return self._finish(self._through_dynamo(x, tangents, contexts))
+
+    def _copy_back_states(self, given: tuple[Any, ...], ran_on: tuple[Any, ...]) -> None:
+        """Write the updates f made to contiguous copies of State tensors into the caller's tensors
+        (once per call, as eager training updates them)."""
+        with torch.no_grad():
+            for i in self.state_contexts:
+                for mine, copy in zip(pytree.tree_leaves(given[i]), pytree.tree_leaves(ran_on[i])):
+                    if isinstance(mine, torch.Tensor) and copy is not mine:
+                        mine.copy_(copy)
 
     def _finish(self, result: Any) -> Any:
         if self.owns_buffers:
@@ -366,7 +380,7 @@ class CompileEngine:
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
 
     @staticmethod
     def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
