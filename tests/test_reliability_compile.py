@@ -7,13 +7,20 @@ handling (marked ``inductor``). AutoXLA's side of item 5 is in ``tests/xla``.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
 import torchdi as td
-from torchdi import AutoAutograd, AutoCompile, AutoFiniteDiff, AutoFunc, Constant, State, UnsupportedOperatorError
+from torchdi import (
+    AutoAutograd,
+    AutoCompile,
+    AutoFiniteDiff,
+    AutoFunc,
+    Constant,
+    State,
+    UnsupportedOperatorError,
+)
 
 COMPILED = AutoCompile(compiler="aot_eager")
 
@@ -61,3 +68,108 @@ def test_item3_non_contiguous_state_is_updated_inductor() -> None:
     td.gradient(_counting, AutoCompile(), x, State(base.t()), prep=prep)
     td.value_and_gradient(_counting, AutoCompile(), x, State(base.t()))  # one-shot
     torch.testing.assert_close(base, torch.full((2, 3), 12.0))
+
+
+# -- items 7, 8, 9, 17: DifferentiateWith under forward mode, legacy batching, with a State ------
+
+DW_BACKENDS = {"autograd": AutoAutograd(), "func": AutoFunc(), "compile": COMPILED, "finitediff": AutoFiniteDiff()}
+
+
+def _piece(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (x * c).sin() + x**2
+
+
+def _tolerance(name: str) -> dict[str, float]:
+    return {"rtol": 1e-6, "atol": 1e-6} if name == "finitediff" else {"rtol": 1e-10, "atol": 1e-12}
+
+
+@pytest.mark.parametrize("name", list(DW_BACKENDS))
+def test_item7_tensor_constant_under_forward_mode(name: str) -> None:
+    g = td.DifferentiateWith(_piece, DW_BACKENDS[name])
+    x, c, v = torch.randn(3, 4, dtype=torch.float64).unbind()
+    c = c.abs()
+    mine = lambda x: g(x, Constant(c))  # noqa: E731
+    ref = lambda x: _piece(x, c)  # noqa: E731
+    tol = _tolerance(name)
+    torch.testing.assert_close(torch.func.jvp(mine, (x,), (v,))[1], torch.func.jvp(ref, (x,), (v,))[1], **tol)
+    torch.testing.assert_close(torch.func.jacfwd(mine)(x), torch.func.jacfwd(ref)(x), **tol)
+    scalar_tol = {"rtol": 1e-4, "atol": 1e-5} if name == "finitediff" else tol
+    torch.testing.assert_close(
+        torch.func.hessian(lambda x: mine(x).sum())(x), torch.func.hessian(lambda x: ref(x).sum())(x), **scalar_tol
+    )
+    expected = torch.func.jvp(ref, (x,), (v,))[1]
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(mine(fwAD.make_dual(x, v))).tangent
+    torch.testing.assert_close(tangent, expected, **tol)
+    # A Constant the outer transform does differentiate is still refused, as in reverse mode.
+    with pytest.raises(ValueError, match=r"context 1 \(Constant\).*only x is differentiated"):
+        torch.func.jvp(lambda c: g(x, Constant(c)), (c,), (v,))
+
+
+def test_item7_unused_output_cotangent_is_zero() -> None:
+    """Absent cotangents are no longer materialized by torch: DifferentiateWith fills them in."""
+    g = td.DifferentiateWith(lambda x: (x.sin(), x.cos()), AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    first, _ = g(x)
+    first.sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+@pytest.mark.parametrize("name", ["func", "compile", "autograd"])
+def test_item8_eager_forward_ad(name: str) -> None:
+    g = td.DifferentiateWith(lambda x: (x.sin() * x).sum(0), DW_BACKENDS[name])
+    x, v = torch.randn(2, 3, 2, dtype=torch.float64).unbind()
+    expected = torch.func.jvp(lambda x: (x.sin() * x).sum(0), (x,), (v,))[1]
+    for _ in range(2):  # the second call reuses the preparation made inside the dual level
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(g(fwAD.make_dual(x, v))).tangent
+        torch.testing.assert_close(tangent, expected)
+    assert torch.autograd.gradcheck(g, (x.clone().requires_grad_(),), check_forward_ad=True)
+    # and torch.func.jvp still works with the same preparations
+    torch.testing.assert_close(torch.func.jvp(g, (x,), (v,))[1], expected)
+    if name == "compile":
+        compilations = g.num_compilations
+        with fwAD.dual_level():
+            fwAD.unpack_dual(g(fwAD.make_dual(x, v)))
+        assert g.num_compilations == compilations
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda g, x: torch.autograd.functional.jacobian(g, x, vectorize=True),
+        lambda g, x: torch.autograd.functional.hessian(lambda x: g(x).sum(), x, vectorize=True),
+        lambda g, x: torch.autograd.grad(g(x), x, torch.eye(3, dtype=x.dtype), is_grads_batched=True),
+    ],
+    ids=["jacobian-vectorize", "hessian-vectorize", "is_grads_batched"],
+)
+def test_item9_legacy_batching_is_refused_clearly(call: object) -> None:
+    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(UnsupportedOperatorError, match=r"legacy vmap.*torch\.func\.jacrev/jacfwd/vmap"):
+        call(g, x)  # type: ignore[operator]
+    # what the message names works
+    torch.testing.assert_close(torch.func.jacrev(g)(x.detach()), torch.diag(x.detach().cos()))
+    torch.testing.assert_close(torch.autograd.functional.jacobian(g, x), torch.diag(x.detach().cos()))
+
+
+def test_item9_gradcheck_batched_grad_is_refused_clearly() -> None:
+    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(Exception, match=r"legacy vmap"):
+        torch.autograd.gradcheck(g, (x,), check_batched_grad=True)
+
+
+@pytest.mark.parametrize("name", ["func", "compile"])
+def test_item17_state_is_refused_at_the_call(name: str) -> None:
+    def f(x: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        counter.add_(1)
+        return (x * x).sum()
+
+    g = td.DifferentiateWith(f, DW_BACKENDS[name])
+    counter = torch.zeros(())
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(UnsupportedOperatorError, match=r"context 1 is a torchdi\.State.*DifferentiateWith.*torchdi\.gradient") as error:
+        g(x, State(counter))
+    assert "prepare_pullback" not in str(error.value)
+    assert counter.item() == 0  # refused before f ran
