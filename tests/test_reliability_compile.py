@@ -173,3 +173,28 @@ def test_item17_state_is_refused_at_the_call(name: str) -> None:
         g(x, State(counter))
     assert "prepare_pullback" not in str(error.value)
     assert counter.item() == 0  # refused before f ran
+
+
+# -- item 13: dynamo's UserError (a data-dependent guard) is wrapped, naming what works -----------
+
+
+def test_item13_data_dependent_guard_names_what_works() -> None:
+    bn = torch.nn.BatchNorm1d(3, momentum=None)  # running average: 1 / num_batches_tracked
+    params = dict(bn.named_parameters())
+    batch = torch.randn(4, 3)
+
+    def loss(p: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(bn, {**p, **buffers}, (batch,)).square().sum()
+
+    buffers = {k: v.clone() for k, v in bn.named_buffers()}
+    with pytest.raises(RuntimeError, match=r"(?s)cannot compile.*data-dependent.*fullgraph=False.*AutoFunc\(\)") as error:
+        td.gradient(loss, COMPILED, params, State(buffers), Constant(batch))
+    assert not isinstance(error.value, torch._dynamo.exc.UserError)
+    assert isinstance(error.value.__cause__, torch._dynamo.exc.UserError)
+    # What the message names works, and agrees with eager autograd
+    reference = {k: v.clone() for k, v in bn.named_buffers()}
+    expected = td.gradient(loss, AutoAutograd(), params, State(reference), Constant(batch))
+    for backend in (AutoFunc(), AutoCompile(compiler="aot_eager", fullgraph=False)):
+        mine = {k: v.clone() for k, v in bn.named_buffers()}
+        torch.testing.assert_close(td.gradient(loss, backend, params, State(mine), Constant(batch)), expected)
+        torch.testing.assert_close(mine, reference)

@@ -276,6 +276,25 @@ class CompiledRunner:
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
             ) from error
+        except torch._dynamo.exc.UserError as error:
+            # Dynamo's refusals of the function itself, the data-dependent guard above all
+            # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
+            # average 1 / num_batches_tracked): as unsupported as a graph break.
+            reason = str(error).strip().splitlines()
+            fallback = (
+                "AutoCompile(fullgraph=False) (which runs what dynamo cannot capture eagerly), or "
+                if self.backend.fullgraph
+                else ""
+            )
+            raise RuntimeError(
+                f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot compile the "
+                f"{self.name}: {' '.join(reason[:4])}\n"
+                "The function needs a tensor's value while it is traced (a data-dependent expression: "
+                "a Python number computed from a tensor, or a branch on one; BatchNorm with momentum=None "
+                "divides by its num_batches_tracked buffer). Keep such values in tensor operations "
+                "(e.g. BatchNorm with a numeric momentum), or use "
+                f"{fallback}an eager backend: AutoFunc() or AutoAutograd()."
+            ) from error
         self.prepared = True
         if self.num_ops == 0:
             logger.warning(
