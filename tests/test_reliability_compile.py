@@ -7,6 +7,7 @@ handling (marked ``inductor``). AutoXLA's side of item 5 is in ``tests/xla``.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -198,3 +199,75 @@ def test_item13_data_dependent_guard_names_what_works() -> None:
         mine = {k: v.clone() for k, v in bn.named_buffers()}
         torch.testing.assert_close(td.gradient(loss, backend, params, State(mine), Constant(batch)), expected)
         torch.testing.assert_close(mine, reference)
+
+
+# -- item 11: a float Constant made into a tensor inside f stays traced ----------------------------
+
+FLOAT_FACTORIES = {
+    "tensor": lambda x, c: x * torch.tensor(c),
+    "tensor-float64": lambda x, c: x * torch.tensor(1 - c, dtype=torch.float64),
+    "scalar_tensor": lambda x, c: x * torch.scalar_tensor(c, dtype=x.dtype),
+    "full": lambda x, c: x * torch.full((3,), c),
+    "full_like": lambda x, c: x * torch.full_like(x, c),
+}
+
+
+@pytest.mark.parametrize("form", list(FLOAT_FACTORIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_item11_float_made_into_a_tensor_does_not_recompile(form: str, dtype: torch.dtype) -> None:
+    def f(x: torch.Tensor, c: float) -> torch.Tensor:
+        return FLOAT_FACTORIES[form](x, c).sum()
+
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=dtype)
+    prep = td.prepare_gradient(f, COMPILED, x, Constant(0.1))
+    compilations = prep.num_compilations
+    for c in (1 - 1e-7, 2.5, -3.25, 0.1 + 1e-12):
+        value, grad = td.value_and_gradient(f, COMPILED, x, Constant(c), prep=prep)
+        expected_value, expected_grad = td.value_and_gradient(f, AutoAutograd(), x, Constant(c))
+        assert value.dtype == expected_value.dtype and grad.dtype == expected_grad.dtype
+        torch.testing.assert_close(value, expected_value, rtol=0, atol=0)
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    assert prep.num_compilations == compilations
+
+
+@pytest.mark.inductor
+def test_item11_float_made_into_a_tensor_does_not_recompile_inductor() -> None:
+    def f(x: torch.Tensor, c: float) -> torch.Tensor:
+        return (x * torch.full_like(x, c) + torch.tensor(1 - c)).sum()
+
+    x = torch.tensor([1.0, -2.0, 0.5])
+    prep = td.prepare_gradient(f, AutoCompile(), x, Constant(0.5))
+    compilations = prep.num_compilations
+    for c in (1 - 1e-7, 2.5, -3.25):
+        value, grad = td.value_and_gradient(f, AutoCompile(), x, Constant(c), prep=prep)
+        torch.testing.assert_close(value, f(x, c))
+        torch.testing.assert_close(grad, torch.full_like(x, c))
+    assert prep.num_compilations == compilations
+
+
+# -- item 16: the translation note on the one-shot path ---------------------------------------------
+
+
+def _numpy_method(x: torch.Tensor, a: np.ndarray) -> torch.Tensor:
+    return (x * torch.as_tensor(a.astype(np.float32))).sum()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, a: td.gradient(_numpy_method, COMPILED, x, a),
+        lambda x, a: td.value_and_gradient(_numpy_method, COMPILED, x, a),
+        lambda x, a: td.hessian(_numpy_method, COMPILED, x, a),
+        lambda x, a: td.gradient(_numpy_method, COMPILED, x, a, prep=td.prepare_gradient(_numpy_method, COMPILED, x, a)),
+    ],
+    ids=["gradient", "value_and_gradient", "hessian", "prepared"],
+)
+def test_item16_numpy_method_error_carries_the_translation_note(call: object) -> None:
+    x = torch.ones(3)
+    with pytest.raises(AttributeError, match="astype") as error:
+        call(x, Constant(np.arange(3.0)))  # type: ignore[operator]
+    notes = "\n".join(getattr(error.value, "__notes__", []))
+    assert "context 1 (ndarray) as torch.Tensor" in notes and "torchdi.Static(value)" in notes
+    # what the note suggests works: tensor methods on the traced array
+    works = lambda x, a: (x * torch.as_tensor(a).to(torch.float32)).sum()  # noqa: E731
+    torch.testing.assert_close(td.gradient(works, COMPILED, x, Constant(np.arange(3.0))), torch.arange(3.0))

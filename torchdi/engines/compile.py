@@ -34,7 +34,12 @@ from torchdi.backends import AutoCompile
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner
-from torchdi.translate import copyto_, to_device_tensor
+from torchdi.translate import (
+    copyto_,
+    float_positions,
+    keep_float_factories_traced,
+    to_device_tensor,
+)
 
 __all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
@@ -128,6 +133,7 @@ class _CountingCompiler:
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
+        keep_float_factories_traced(graph)  # rule 2: torch.tensor(c) of a float context stays traced
         compiled = self.compiler(graph, example_inputs)
         owner = self.owner()
         if owner is not None:
@@ -150,11 +156,6 @@ def translated(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """``to_device_tensor`` applied leaf by leaf (the pytree structure is kept as it is)."""
     leaves, spec = pytree.tree_flatten(values)
     return pytree.tree_unflatten([to_device_tensor(leaf, None) for leaf in leaves], spec)
-
-
-def float_positions(values: tuple[Any, ...]) -> tuple[int, ...]:
-    """The positions of Python floats among the flat leaves of ``values``."""
-    return tuple(i for i, leaf in enumerate(pytree.tree_leaves(values)) if isinstance(leaf, float))
 
 
 def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
