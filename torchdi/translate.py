@@ -192,8 +192,8 @@ def keep_float_factories_traced(graph: torch.fx.GraphModule) -> int:
     ``torch.scalar_tensor(c)``, ``torch.full(size, c)``, ``torch.full_like(x, c)``), and then
     recompiles for each new value. Made as ``ones(..., dtype) * c`` instead, the tensor has the
     same value (``c`` rounded once to the factory's dtype), dtype and device, and ``c`` stays an
-    input of the program. Only floating results made from a symbolic float, with no keyword but
-    ``dtype`` and ``device``, are rewritten.
+    input of the program. Only float32 and float64 results made from a symbolic float, with no
+    keyword but ``dtype`` and ``device``, are rewritten.
 
     Args:
         graph: the graph dynamo hands a ``torch.compile`` backend (``example_value`` metadata).
@@ -215,7 +215,9 @@ def keep_float_factories_traced(graph: torch.fx.GraphModule) -> int:
         value, result = node.args[-1], node.meta.get("example_value")
         if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("example_value"), torch.SymFloat):
             continue
-        if not isinstance(result, torch.Tensor) or not result.is_floating_point():
+        # float32/float64 only: 1 * c rounds c once to them, as the factory does (a half-precision
+        # product could round twice, through float32).
+        if not isinstance(result, torch.Tensor) or result.dtype not in (torch.float32, torch.float64):
             continue
         options: dict[str, Any] = {"dtype": result.dtype, "device": result.device}
         with graph.graph.inserting_before(node):
