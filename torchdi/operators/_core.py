@@ -18,6 +18,7 @@ from torchdi.backends import (
     AutoAutograd,
     AutoCompile,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     Backend,
     require_available,
@@ -26,6 +27,7 @@ from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_context
 from torchdi.distributed import refuse_data_parallel
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.into_grad import IntoGrad
+from torchdi.operators._trees import Flattening, needs_flattening
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
 from torchdi.translate import copyto_, to_device_tensor
@@ -45,8 +47,7 @@ TANGENTS_LIKE = {
     "hessian": None,
 }
 SCALAR_X = {"derivative", "second_derivative"}
-TENSOR_X = {"jacobian", "hessian"}
-SCALAR_Y = {"gradient", "hvp", "hessian"}
+SCALAR_Y = {"gradient", "hvp"}
 # Families whose plain operator gets a runner of its own on compiled engines (Spec.needs_value).
 LEAN_FAMILIES = {"gradient"}
 
@@ -73,8 +74,6 @@ def _canonical_x(x: Any, family: str, operator: str) -> Any:
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"{operator}: x must have a floating-point or complex dtype, got {x.dtype}")
         return x.detach() if x.requires_grad else x
-    if family in TENSOR_X:
-        raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
     if type(x) is dict and x and all(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in x.values()):
         # A flat dict of tensors (module parameters): the hot case, without a pytree round trip.
         return {k: v.detach() for k, v in x.items()} if any(v.requires_grad for v in x.values()) else x
@@ -346,7 +345,7 @@ def _prepare_operator(
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
-    if (family in SCALAR_Y or family in ("jacobian", "derivative", "second_derivative")) and not isinstance(y, torch.Tensor):
+    if (family in SCALAR_Y or family in ("derivative", "second_derivative")) and not isinstance(y, torch.Tensor):
         raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
     if family in SCALAR_Y and y.numel() != 1:
         raise ValueError(
@@ -356,6 +355,15 @@ def _prepare_operator(
     if not all(leaf.is_floating_point() or leaf.is_complex() for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return floating-point tensors, got dtypes {[leaf.dtype for leaf in y_leaves]}")
     x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
+    output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
+    flattening = None
+    if needs_flattening(family, x_run, y):
+        # jacobian/hessian of a pytree x or y: the engine differentiates the raveled function.
+        _refuse_sparse_trees(backend, family, x_run, y, operator)
+        flattening = Flattening(family, x_run, y, operator)
+        bound = flattening.function(bound)
+        x_run = flattening.flat_x(x_run)
+        x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(flattening.flat_y(y))
     n_tangents = 0
     if tangent_name is not None:
         like, like_name = (x_meta, "x") if TANGENTS_LIKE[family] == "x" else (y_meta, "f(x)")
@@ -382,8 +390,9 @@ def _prepare_operator(
                 # Built on the plain operator's first call: its compilation must not touch States either.
                 with _without_side_effects([v for v, kind in zip(values_now, kinds) if kind == "State"]):
                     return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
+    if flattening is not None:
+        runner = flattening.runner(runner)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
-    output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     return Prep(
         family,
         f,
@@ -396,6 +405,18 @@ def _prepare_operator(
         output_shape,
         lean,
     )
+
+
+def _refuse_sparse_trees(backend: Backend, family: str, x: Any, y: Any, operator: str) -> None:
+    """``AutoSparse`` returns one sparse matrix: a nested result of sparse blocks has no use."""
+    if isinstance(backend, AutoSparse):
+        what = "x" if not isinstance(x, torch.Tensor) else "f(x)"
+        raise TypeError(
+            f"{operator} with {backend!r}: {what} is a {type(x if what == 'x' else y).__name__}, but a sparse "
+            f"{family} is one sparse matrix of a tensor x (and a tensor f(x)). Ravel the pytree into one "
+            "tensor (torch.cat([t.reshape(-1) for t in leaves])) inside f, or use the dense backend "
+            f"{backend.dense!r}, which nests the {family} as torch.func does."
+        )
 
 
 def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
@@ -16,6 +17,7 @@ from torchdi.runners import (
     BoundFunction,
     Runner,
     Spec,
+    TreeMeta,
     build_runner,
     outer_inner,
     replace_spec,
@@ -53,7 +55,13 @@ def hessian(
 
 
 def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
-    """Generic Hessian: HVPs of the input basis, with the value and gradient from ``inner``."""
+    """Generic Hessian: HVPs of the input basis, with the value and gradient from ``inner``.
+
+    A non-scalar ``f`` gets ``outer``'s jacobian of ``inner``'s jacobian instead (one batch of
+    pushforwards or pullbacks, not a loop over outputs): shape ``y.shape + x.shape + x.shape``.
+    """
+    if torch.Size(spec.y.shapes[0]).numel() != 1:
+        return hessian_from_jacobians(backend, f, spec)
     _, inner = outer_inner(backend)
     n = spec.x.numel
     x_shape = tuple(spec.x.shapes[0])
@@ -64,6 +72,27 @@ def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
         y, grad = value_and_gradient(x, None, contexts)
         _, columns = hvps(x, spec.x.basis(x), contexts)  # (n, *x_shape): H e_i, a column of H
         return y, grad, columns.reshape(n, n).T.reshape(x_shape + x_shape)
+
+    return run
+
+
+def hessian_from_jacobians(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
+    """Hessian of a non-scalar ``f``: ``outer``'s jacobian of ``inner``'s jacobian (as
+    ``torch.func.hessian`` is ``jacfwd(jacrev(f))``), with the value and jacobian from ``inner``."""
+    outer, inner = outer_inner(backend)
+    y_shape, x_shape = tuple(spec.y.shapes[0]), tuple(spec.x.shapes[0])
+    inner_jacobian = build_runner(inner, "jacobian", f, replace_spec(spec, n_tangents=0))
+    jacobian_meta = TreeMeta(pytree.tree_structure(torch.empty(0)), (torch.Size(y_shape + x_shape),), (spec.y.dtypes[0],))
+
+    def jacobian_of(x: Any, contexts: tuple[Any, ...]) -> Any:
+        return inner_jacobian(x, None, contexts)[1]
+
+    outer_jacobian = build_runner(outer, "jacobian", jacobian_of, replace_spec(spec, y=jacobian_meta, n_tangents=0))
+
+    def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        y, jac = inner_jacobian(x, None, contexts)
+        _, hess = outer_jacobian(x, None, contexts)  # (*y_shape, *x_shape, *x_shape)
+        return y, jac, hess
 
     return run
 
