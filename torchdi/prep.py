@@ -175,6 +175,7 @@ class Prep:
         "backend",
         "call",
         "f",
+        "has_aux",
         "keep_static",
         "lean_call",
         "lean_factory",
@@ -212,6 +213,8 @@ class Prep:
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
+        # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
+        self.has_aux = False
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

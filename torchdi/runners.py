@@ -97,6 +97,9 @@ class Spec:
     needs_value: bool = True
     inside_forward_mode: bool = False
     state_contexts: tuple[int, ...] = ()
+    # f returns (y, aux) and the runner returns (y, aux) as its value (has_aux=True, engines
+    # that carry aux through their own transforms).
+    has_aux: bool = False
 
 
 def outer_inner(backend: Backend) -> tuple[Backend, Backend]:

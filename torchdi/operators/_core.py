@@ -27,12 +27,13 @@ from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_context
 from torchdi.distributed import refuse_data_parallel
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.into_grad import IntoGrad
+from torchdi.operators._aux import AuxRunner, native_aux, split_aux, without_aux
 from torchdi.operators._trees import Flattening, needs_flattening
-from torchdi.prep import Prep, describe, describe_contexts
+from torchdi.prep import Prep, PreparationMismatchError, describe, describe_contexts
 from torchdi.runners import BoundFunction, Runner, Spec, TreeMeta, build_runner, zero_runner
 from torchdi.translate import copyto_, to_device_tensor
 
-__all__ = ["prepare_operator", "run_operator", "write_out"]
+__all__ = ["prepare_operator", "run_operator", "with_aux_result", "write_out"]
 
 
 # Which argument the tangents are shaped like, per family (None: the family takes no tangents).
@@ -289,16 +290,18 @@ def prepare_operator(
     contexts: Sequence[Any],
     strict: bool,
     value: bool | None = None,
+    has_aux: bool = False,
 ) -> Prep:
     """Validate the arguments, build the runner for ``backend`` and compile it if needed.
 
     ``value`` says which variant a one-shot call needs (``None``: both, as ``prepare_*`` does).
+    ``has_aux``: ``f`` returns ``(y, aux)``; the runner's value is then ``(y, aux)``.
     Preparation has no side effect a user can see: the global RNG state and every ``State``
     tensor are restored once it is done (its evaluations of ``f`` would otherwise shift dropout
     masks and update running statistics).
     """
     with _without_side_effects([c.value for c in contexts if isinstance(c, State)]):
-        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
+        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux)
 
 
 def _prepare_operator(
@@ -311,6 +314,7 @@ def _prepare_operator(
     contexts: Sequence[Any],
     strict: bool,
     value: bool | None,
+    has_aux: bool = False,
 ) -> Prep:
     from torchdi.engines import engine_for
 
@@ -318,7 +322,11 @@ def _prepare_operator(
         # The user's outer context, not a request to drop derivatives: under inference_mode
         # autograd records nothing and every derivative would silently be zero.
         with torch.inference_mode(False):
-            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
+            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux)
+    if not callable(f):
+        raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{operator}: has_aux must be True or False, got {has_aux!r}")
     if not callable(f):
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     _check_backend(backend, operator)
@@ -342,6 +350,13 @@ def _prepare_operator(
         if note:
             error.add_note(note)
         raise
+    with_aux, tensor_aux = bound, True
+    if has_aux:
+        y, aux = split_aux(y, operator)
+        # torch.func carries only tensors out of a transform: other aux leaves take the generic path.
+        tensor_aux = all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(aux))
+        del aux
+        bound = without_aux(bound, operator)
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
@@ -373,11 +388,23 @@ def _prepare_operator(
         raise TypeError(f"{operator} takes no tangents")
     del y, y_leaves
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
+    aux_natively = (
+        has_aux and tensor_aux and flattening is None and native_aux(backend, family) and spec.x.numel > 0 and spec.y.numel > 0
+    )
+    if aux_natively:  # the engine's own transform carries aux out (one evaluation of f)
+        bound, spec = with_aux, replace(spec, has_aux=True)
+    elif has_aux and "State" in kinds:
+        raise UnsupportedOperatorError(
+            f"{operator} with {backend!r} and has_aux=True: aux is read from one more evaluation of f, which "
+            "would update the State twice. Backends that return aux from the differentiated evaluation: "
+            "AutoFunc() and AutoCompile() (inner=AutoFunc()) for gradient, pullback, pushforward, "
+            "derivative and jacobian."
+        )
     batched = None if tangents is None else _batch_tangents(tangents)
     # A compiled gradient that need not return f's value can drop its final reduction (1.4x on
     # a bandwidth-bound function): the plain operator gets that variant, compiled on its first
     # use (a training loop that only calls value_and_gradient never compiles it).
-    lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static else None
+    lean_spec = replace(spec, needs_value=False) if family in LEAN_FAMILIES and engine.keeps_static and not has_aux else None
     lean = None
     if spec.x.numel == 0 or spec.y.numel == 0:
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
@@ -392,8 +419,10 @@ def _prepare_operator(
                     return _built(backend, family, bound, lean_spec, x_now, tangents_now, values_now)
     if flattening is not None:
         runner = flattening.runner(runner)
+    if has_aux and not aux_natively:
+        runner = AuxRunner(runner, with_aux, operator)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
-    return Prep(
+    prep = Prep(
         family,
         f,
         backend,
@@ -405,6 +434,8 @@ def _prepare_operator(
         output_shape,
         lean,
     )
+    prep.has_aux = has_aux
+    return prep
 
 
 def _refuse_sparse_trees(backend: Backend, family: str, x: Any, y: Any, operator: str) -> None:
@@ -504,16 +535,18 @@ def run_operator(
     contexts: Sequence[Any],
     prep: Prep | None,
     value: bool = True,
+    has_aux: bool = False,
 ) -> tuple[Any, ...]:
     """Run ``family`` through ``prep`` (prepared on the spot when ``None``): the full result.
 
-    With ``value=False`` the value part may be ``None`` (the caller drops it).
+    With ``value=False`` the value part may be ``None`` (the caller drops it). With
+    ``has_aux`` the value part is ``(value, aux)``.
     """
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):  # see prepare_operator
-            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value)
+            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, has_aux)
     if prep is None:
-        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
     else:
         if not isinstance(prep, Prep):
@@ -525,6 +558,8 @@ def run_operator(
                 prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
+        if prep.has_aux is not has_aux:  # the result's layout depends on it: checked even without strict
+            _refuse_aux_mismatch(prep, has_aux, operator)
     x = _without_inference_tensors(x)
     values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
@@ -536,6 +571,19 @@ def run_operator(
         return call(x_run, batched, values)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+
+
+def _refuse_aux_mismatch(prep: Prep, has_aux: bool, operator: str) -> None:
+    raise PreparationMismatchError(
+        f"{operator}: prep (prepared for {prep.operator!r}, backend {prep.backend!r}) cannot serve this call:\n"
+        f"  has_aux: mismatch: expected {prep.has_aux}, received {has_aux} (pass has_aux={prep.has_aux} as at "
+        "preparation, or prepare again)"
+    )
+
+
+def with_aux_result(derivative: Any, result: tuple[Any, ...], has_aux: bool) -> Any:
+    """What a plain operator returns: its derivative, paired with ``aux`` when ``has_aux``."""
+    return (derivative, result[0][1]) if has_aux else derivative
 
 
 def write_out(result: Any, out: Any, operator: str) -> Any:

@@ -9,7 +9,7 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
     FALLBACKS,
@@ -23,7 +23,8 @@ from torchdi.runners import (
 __all__ = ["derivative", "prepare_derivative", "value_and_derivative"]
 
 
-def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare ``derivative`` and ``value_and_derivative`` of ``f`` at the scalar ``x``.
 
     Args:
@@ -33,19 +34,21 @@ def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *context
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("derivative", "prepare_derivative", f, backend, x, None, contexts, strict)
+    return prepare_operator("derivative", "prepare_derivative", f, backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any]:
     """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
-    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep)
+    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep, has_aux=has_aux)
     return y, write_out(dy, out, "value_and_derivative")
 
 
 def derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> Any:
     """The derivative ``dy/dx`` of ``f`` at the scalar ``x``, shaped like ``f(x)``.
 
@@ -62,8 +65,8 @@ def derivative(
         >>> torchdi.derivative(lambda t: torch.stack([t, t**2]), torchdi.AutoAutograd(), 3.0)
         tensor([1., 6.])
     """
-    _, dy = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep)
-    return write_out(dy, out, "derivative")
+    _, dy = result = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep, has_aux=has_aux)
+    return with_aux_result(write_out(dy, out, "derivative"), result, has_aux)
 
 
 def derivative_from_pushforward(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

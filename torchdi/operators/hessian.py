@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
     FALLBACKS,
@@ -26,21 +26,24 @@ from torchdi.runners import (
 __all__ = ["hessian", "prepare_hessian", "value_gradient_and_hessian"]
 
 
-def prepare_hessian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_hessian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare ``hessian`` and ``value_gradient_and_hessian`` of the scalar ``f`` at the tensor ``x``."""
-    return prepare_operator("hessian", "prepare_hessian", f, backend, x, None, contexts, strict)
+    return prepare_operator("hessian", "prepare_hessian", f, backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_gradient_and_hessian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian."""
-    y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep)
+    y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux=has_aux)
     return y, grad, write_out(hess, out, "value_gradient_and_hessian")
 
 
 def hessian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> torch.Tensor:
     """The Hessian of the scalar ``f`` at the tensor ``x``, of shape ``x.shape + x.shape``.
 
@@ -50,8 +53,8 @@ def hessian(
         tensor([[6., 0.],
                 [0., 6.]])
     """
-    _, _, hess = run_operator("hessian", "hessian", f, backend, x, None, contexts, prep)
-    return write_out(hess, out, "hessian")
+    _, _, hess = result = run_operator("hessian", "hessian", f, backend, x, None, contexts, prep, has_aux=has_aux)
+    return with_aux_result(write_out(hess, out, "hessian"), result, has_aux)
 
 
 def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

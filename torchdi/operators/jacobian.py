@@ -9,7 +9,7 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.operators.pushforward import _output_basis
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -25,7 +25,8 @@ from torchdi.runners import (
 __all__ = ["jacobian", "prepare_jacobian", "value_and_jacobian"]
 
 
-def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare ``jacobian`` and ``value_and_jacobian`` of ``f`` at the tensor ``x``.
 
     Args:
@@ -35,19 +36,21 @@ def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("jacobian", "prepare_jacobian", f, backend, x, None, contexts, strict)
+    return prepare_operator("jacobian", "prepare_jacobian", f, backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_jacobian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
-    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep)
+    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep, has_aux=has_aux)
     return y, write_out(jac, out, "value_and_jacobian")
 
 
 def jacobian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> torch.Tensor:
     """The Jacobian of ``f`` at ``x``, of shape ``y.shape + x.shape`` (the ``torch.func.jacrev`` layout).
 
@@ -65,8 +68,8 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    _, jac = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep)
-    return write_out(jac, out, "jacobian")
+    _, jac = result = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep, has_aux=has_aux)
+    return with_aux_result(write_out(jac, out, "jacobian"), result, has_aux)
 
 
 def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
 from torchdi.prep import Prep
 from torchdi.runners import (
     FALLBACKS,
@@ -27,7 +27,7 @@ __all__ = ["prepare_pullback", "pullback", "value_and_pullback"]
 
 
 def prepare_pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare ``pullback`` and ``value_and_pullback`` of ``f`` at ``x`` for the cotangents ``ty``.
 
@@ -42,11 +42,11 @@ def prepare_pullback(
     Returns:
         A ``Prep`` to pass as ``prep=``.
     """
-    return prepare_operator("pullback", "prepare_pullback", f, backend, x, ty, contexts, strict)
+    return prepare_operator("pullback", "prepare_pullback", f, backend, x, ty, contexts, strict, has_aux=has_aux)
 
 
 def value_and_pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
 ) -> tuple[Any, tuple[Any, ...]]:
     """``(f(x), (J^T dy1, J^T dy2, ...))``: the value and one vector-Jacobian product per cotangent.
 
@@ -56,12 +56,12 @@ def value_and_pullback(
         >>> dx
         tensor([1., 1.])
     """
-    y, dx = run_operator("pullback", "value_and_pullback", f, backend, x, ty, contexts, prep)
+    y, dx = run_operator("pullback", "value_and_pullback", f, backend, x, ty, contexts, prep, has_aux=has_aux)
     return y, unbatch(dx, len(ty))
 
 
 def pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
 ) -> tuple[Any, ...]:
     """The vector-Jacobian products ``(J^T dy1, ...)`` of ``f`` at ``x``, one per cotangent in ``ty``.
 
@@ -76,8 +76,8 @@ def pullback(
     Returns:
         A tuple with one ``dx`` (shaped like ``x``) per cotangent.
     """
-    _, dx = run_operator("pullback", "pullback", f, backend, x, ty, contexts, prep)
-    return unbatch(dx, len(ty))
+    _, dx = result = run_operator("pullback", "pullback", f, backend, x, ty, contexts, prep, has_aux=has_aux)
+    return with_aux_result(unbatch(dx, len(ty)), result, has_aux)
 
 
 def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
