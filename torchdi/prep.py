@@ -182,6 +182,7 @@ class Prep:
         "lean_runner",
         "operator",
         "output_shape",
+        "point",
         "runner",
         "strict",
     )
@@ -215,6 +216,8 @@ class Prep:
         self.output_shape = output_shape
         # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
         self.has_aux = False
+        # A same-point preparation's point (prepare_*_same_point): checked on every call.
+        self.point: Any = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

@@ -291,17 +291,20 @@ def prepare_operator(
     strict: bool,
     value: bool | None = None,
     has_aux: bool = False,
+    runner_factory: Callable[..., Runner | None] | None = None,
 ) -> Prep:
     """Validate the arguments, build the runner for ``backend`` and compile it if needed.
 
     ``value`` says which variant a one-shot call needs (``None``: both, as ``prepare_*`` does).
     ``has_aux``: ``f`` returns ``(y, aux)``; the runner's value is then ``(y, aux)``.
+    ``runner_factory(backend, family, f, spec, x, tangents, values)``: a runner of its own
+    (same-point preparations), or ``None`` for the ordinary one.
     Preparation has no side effect a user can see: the global RNG state and every ``State``
     tensor are restored once it is done (its evaluations of ``f`` would otherwise shift dropout
     masks and update running statistics).
     """
     with _without_side_effects([c.value for c in contexts if isinstance(c, State)]):
-        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux)
+        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux, runner_factory)
 
 
 def _prepare_operator(
@@ -315,6 +318,7 @@ def _prepare_operator(
     strict: bool,
     value: bool | None,
     has_aux: bool = False,
+    runner_factory: Callable[..., Runner | None] | None = None,
 ) -> Prep:
     from torchdi.engines import engine_for
 
@@ -322,7 +326,7 @@ def _prepare_operator(
         # The user's outer context, not a request to drop derivatives: under inference_mode
         # autograd records nothing and every derivative would silently be zero.
         with torch.inference_mode(False):
-            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux)
+            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux, runner_factory)
     if not callable(f):
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     if not isinstance(has_aux, bool):
@@ -411,7 +415,8 @@ def _prepare_operator(
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
     else:
-        runner = _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
+        own = None if runner_factory is None else runner_factory(backend, family, bound, spec, x_run, batched, values)
+        runner = own if own is not None else _built(backend, family, bound, lean_spec if value is False and lean_spec else spec, x_run, batched, values)
         if lean_spec is not None and value is None:
             def lean(x_now: Any, tangents_now: Any, values_now: tuple[Any, ...]) -> Runner:
                 # Built on the plain operator's first call: its compilation must not touch States either.
@@ -560,6 +565,8 @@ def run_operator(
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
         if prep.has_aux is not has_aux:  # the result's layout depends on it: checked even without strict
             _refuse_aux_mismatch(prep, has_aux, operator)
+        if prep.point is not None:  # a same-point preparation: never a stale result, whatever strict says
+            prep.point.check(x, values)
     x = _without_inference_tensors(x)
     values = _without_inference_tensors(values)
     x_run = _canonical_x(x, family, operator)
