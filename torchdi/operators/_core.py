@@ -363,7 +363,13 @@ def _prepare_operator(
         bound = without_aux(bound, operator)
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
-        raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
+        hint = (
+            "; if f writes its output into its first argument, f(y, x, *contexts), pass y= (pushforward, "
+            "pullback, derivative, jacobian)"
+            if y is None
+            else ""
+        )
+        raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}{hint}")
     if (family in SCALAR_Y or family in ("derivative", "second_derivative")) and not isinstance(y, torch.Tensor):
         raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
     if family in SCALAR_Y and y.numel() != 1:

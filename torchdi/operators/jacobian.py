@@ -10,6 +10,7 @@ import torch
 from torchdi.backends import Backend
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
+from torchdi.operators._inplace import in_place, write_value
 from torchdi.operators.pushforward import _output_basis
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -25,7 +26,8 @@ from torchdi.runners import (
 __all__ = ["jacobian", "prepare_jacobian", "value_and_jacobian"]
 
 
-def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True, has_aux: bool = False,
+    y: Any = None,
 ) -> Prep:
     """Prepare ``jacobian`` and ``value_and_jacobian`` of ``f`` at the tensor ``x``.
 
@@ -36,21 +38,23 @@ def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("jacobian", "prepare_jacobian", f, backend, x, None, contexts, strict, has_aux=has_aux)
+    return prepare_operator("jacobian", "prepare_jacobian", in_place(f, y, "prepare_jacobian", has_aux), backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_jacobian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
+    y: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
-    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep, has_aux=has_aux)
-    return y, write_out(jac, out, "value_and_jacobian")
+    value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    return write_value(value, y), write_out(jac, out, "value_and_jacobian")
 
 
 def jacobian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
+    y: Any = None,
 ) -> torch.Tensor:
     """The Jacobian of ``f`` at ``x``, of shape ``y.shape + x.shape`` (the ``torch.func.jacrev`` layout).
 
@@ -68,7 +72,8 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    _, jac = result = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep, has_aux=has_aux)
+    value, jac = result = run_operator("jacobian", "jacobian", in_place(f, y, "jacobian", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    write_value(value, y)
     return with_aux_result(write_out(jac, out, "jacobian"), result, has_aux)
 
 
