@@ -30,12 +30,9 @@ class OutOfPlace:
         self.__qualname__ = getattr(f, "__qualname__", None) or repr(f)
 
     def __call__(self, x: Any, *contexts: Any) -> torch.Tensor:
-        first = pytree.tree_leaves(x)[0]
-        if first.device != self.device:
-            raise ValueError(
-                f"{self.operator}: y= is on {self.device} but x is on {first.device}; pass y on x's device"
-            )
-        buffer = first.new_zeros(self.shape, dtype=self.dtype)
+        # On x's device as the engine runs it (AutoXLA moves x to the XLA device): f's output is
+        # made where x is; the user's y= was checked against the user's x.
+        buffer = pytree.tree_leaves(x)[0].new_zeros(self.shape, dtype=self.dtype)
         try:
             returned = self.f(buffer, x, *contexts)
         except RuntimeError as error:
@@ -68,8 +65,8 @@ class OutOfPlace:
         )
 
 
-def in_place(f: Callable[..., Any], y: Any, operator: str, has_aux: bool = False) -> Callable[..., Any]:
-    """``f`` itself without ``y=``, else its out-of-place wrapper (after checking ``y``)."""
+def in_place(f: Callable[..., Any], y: Any, operator: str, has_aux: bool = False, x: Any = None) -> Callable[..., Any]:
+    """``f`` itself without ``y=``, else its out-of-place wrapper (after checking ``y`` against ``x``)."""
     if y is None:
         return f
     if has_aux:
@@ -78,6 +75,9 @@ def in_place(f: Callable[..., Any], y: Any, operator: str, has_aux: bool = False
         raise TypeError(f"{operator}: y= must be a tensor (f writes its output into it), got {type(y).__name__}")
     if not (y.is_floating_point() or y.is_complex()):
         raise TypeError(f"{operator}: y= must have a floating-point or complex dtype (f's output is differentiated), got {y.dtype}")
+    x_tensors = [leaf for leaf in pytree.tree_leaves(x) if isinstance(leaf, torch.Tensor)]
+    if x_tensors and x_tensors[0].device != y.device:
+        raise ValueError(f"{operator}: y= is on {y.device} but x is on {x_tensors[0].device}; pass y on x's device")
     if isinstance(f, OutOfPlace):
         return f
     return OutOfPlace(f, y.shape, y.dtype, y.device, operator)

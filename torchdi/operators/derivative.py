@@ -36,7 +36,7 @@ def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *context
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("derivative", "prepare_derivative", in_place(f, y, "prepare_derivative", has_aux), backend, x, None, contexts, strict, has_aux=has_aux)
+    return prepare_operator("derivative", "prepare_derivative", in_place(f, y, "prepare_derivative", has_aux, x), backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_derivative(
@@ -45,7 +45,7 @@ def value_and_derivative(
     y: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
-    value, dy = run_operator("derivative", "value_and_derivative", in_place(f, y, "value_and_derivative", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    value, dy = run_operator("derivative", "value_and_derivative", in_place(f, y, "value_and_derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux)
     return write_value(value, y), write_out(dy, out, "value_and_derivative")
 
 
@@ -69,7 +69,7 @@ def derivative(
         >>> torchdi.derivative(lambda t: torch.stack([t, t**2]), torchdi.AutoAutograd(), 3.0)
         tensor([1., 6.])
     """
-    value, dy = result = run_operator("derivative", "derivative", in_place(f, y, "derivative", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    value, dy = result = run_operator("derivative", "derivative", in_place(f, y, "derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux)
     write_value(value, y)
     return with_aux_result(write_out(dy, out, "derivative"), result, has_aux)
 

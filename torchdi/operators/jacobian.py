@@ -38,7 +38,7 @@ def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("jacobian", "prepare_jacobian", in_place(f, y, "prepare_jacobian", has_aux), backend, x, None, contexts, strict, has_aux=has_aux)
+    return prepare_operator("jacobian", "prepare_jacobian", in_place(f, y, "prepare_jacobian", has_aux, x), backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_jacobian(
@@ -47,7 +47,7 @@ def value_and_jacobian(
     y: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
-    value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux)
     return write_value(value, y), write_out(jac, out, "value_and_jacobian")
 
 
@@ -72,7 +72,7 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    value, jac = result = run_operator("jacobian", "jacobian", in_place(f, y, "jacobian", has_aux), backend, x, None, contexts, prep, has_aux=has_aux)
+    value, jac = result = run_operator("jacobian", "jacobian", in_place(f, y, "jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux)
     write_value(value, y)
     return with_aux_result(write_out(jac, out, "jacobian"), result, has_aux)
 

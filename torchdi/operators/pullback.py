@@ -44,7 +44,7 @@ def prepare_pullback(
     Returns:
         A ``Prep`` to pass as ``prep=``.
     """
-    return prepare_operator("pullback", "prepare_pullback", in_place(f, y, "prepare_pullback", has_aux), backend, x, ty, contexts, strict, has_aux=has_aux)
+    return prepare_operator("pullback", "prepare_pullback", in_place(f, y, "prepare_pullback", has_aux, x), backend, x, ty, contexts, strict, has_aux=has_aux)
 
 
 def value_and_pullback(
@@ -58,7 +58,7 @@ def value_and_pullback(
         >>> dx
         tensor([1., 1.])
     """
-    value, dx = run_operator("pullback", "value_and_pullback", in_place(f, y, "value_and_pullback", has_aux), backend, x, ty, contexts, prep, has_aux=has_aux)
+    value, dx = run_operator("pullback", "value_and_pullback", in_place(f, y, "value_and_pullback", has_aux, x), backend, x, ty, contexts, prep, has_aux=has_aux)
     return write_value(value, y), unbatch(dx, len(ty))
 
 
@@ -78,7 +78,7 @@ def pullback(
     Returns:
         A tuple with one ``dx`` (shaped like ``x``) per cotangent.
     """
-    value, dx = result = run_operator("pullback", "pullback", in_place(f, y, "pullback", has_aux), backend, x, ty, contexts, prep, has_aux=has_aux)
+    value, dx = result = run_operator("pullback", "pullback", in_place(f, y, "pullback", has_aux, x), backend, x, ty, contexts, prep, has_aux=has_aux)
     write_value(value, y)
     return with_aux_result(unbatch(dx, len(ty)), result, has_aux)
 

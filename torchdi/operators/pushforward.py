@@ -44,7 +44,7 @@ def prepare_pushforward(
     Returns:
         A ``Prep`` to pass as ``prep=``.
     """
-    return prepare_operator("pushforward", "prepare_pushforward", in_place(f, y, "prepare_pushforward", has_aux), backend, x, tx, contexts, strict, has_aux=has_aux)
+    return prepare_operator("pushforward", "prepare_pushforward", in_place(f, y, "prepare_pushforward", has_aux, x), backend, x, tx, contexts, strict, has_aux=has_aux)
 
 
 def value_and_pushforward(
@@ -58,7 +58,7 @@ def value_and_pushforward(
         >>> dy
         tensor([1., 1.])
     """
-    value, dy = run_operator("pushforward", "value_and_pushforward", in_place(f, y, "value_and_pushforward", has_aux), backend, x, tx, contexts, prep, has_aux=has_aux)
+    value, dy = run_operator("pushforward", "value_and_pushforward", in_place(f, y, "value_and_pushforward", has_aux, x), backend, x, tx, contexts, prep, has_aux=has_aux)
     return write_value(value, y), unbatch(dy, len(tx))
 
 
@@ -78,7 +78,7 @@ def pushforward(
     Returns:
         A tuple with one ``dy`` (shaped like ``f(x)``) per tangent.
     """
-    value, dy = result = run_operator("pushforward", "pushforward", in_place(f, y, "pushforward", has_aux), backend, x, tx, contexts, prep, has_aux=has_aux)
+    value, dy = result = run_operator("pushforward", "pushforward", in_place(f, y, "pushforward", has_aux, x), backend, x, tx, contexts, prep, has_aux=has_aux)
     write_value(value, y)
     return with_aux_result(unbatch(dy, len(tx)), result, has_aux)
 
