@@ -331,8 +331,6 @@ def _prepare_operator(
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     if not isinstance(has_aux, bool):
         raise TypeError(f"{operator}: has_aux must be True or False, got {has_aux!r}")
-    if not callable(f):
-        raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
     _check_backend(backend, operator)
     require_available(backend)
     tangent_name = {"x": "tx", "y": "ty", None: None}[TANGENTS_LIKE[family]]
