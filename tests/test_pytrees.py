@@ -206,3 +206,17 @@ def test_autofunc_mode_forces_the_transform(mode, monkeypatch):
     jac = torchdi.jacobian(lambda x: torch.tanh(w @ x), AutoFunc(mode=mode), x)
     torch.testing.assert_close(jac, jacrev(lambda x: torch.tanh(w @ x))(x))
     assert used == [{"forward": "jacfwd", "reverse": "jacrev"}[mode]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+def test_pushforward_and_pullback_of_pytrees(backend):
+    from torch.func import jvp, vjp
+
+    x = _x()
+    tx = {k: torch.ones_like(v) for k, v in x.items()}
+    y, (dy,) = torchdi.value_and_pushforward(dict_to_tuple, backend, x, (tx,))
+    _assert_tree_close(y, dict_to_tuple(x), atol=1e-12, rtol=1e-12)
+    _assert_tree_close(dy, jvp(dict_to_tuple, (x,), (tx,))[1], **_tol(backend))
+    ty = tuple(torch.ones_like(leaf) for leaf in dict_to_tuple(x))
+    y, (dx,) = torchdi.value_and_pullback(dict_to_tuple, backend, x, (ty,))
+    _assert_tree_close(dx, vjp(dict_to_tuple, x)[1](ty)[0], **_tol(backend))
