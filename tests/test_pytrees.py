@@ -173,6 +173,11 @@ def test_sparse_refuses_pytrees_naming_what_works():
         torchdi.jacobian(lambda x: (x, x), backend, torch.ones(2))
 
 
+def test_sparse_refuses_non_scalar_hessian_naming_the_dense_backend():
+    with pytest.raises(torchdi.UnsupportedOperatorError, match=r"scalar f, but f returns shape \(3,\).*AutoFunc"):
+        torchdi.hessian(lambda x: x**3, AutoSparse(AutoFunc()), torch.ones(3))
+
+
 def test_devices_must_match():
     x = {"a": torch.ones(2), "b": torch.ones(2, device="meta")}
     with pytest.raises((ValueError, RuntimeError)):

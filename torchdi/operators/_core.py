@@ -380,6 +380,7 @@ def _prepare_operator(
     x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     flattening = None
+    _refuse_sparse_vector_hessian(backend, family, y, operator)
     if needs_flattening(family, x_run, y):
         # jacobian/hessian of a pytree x or y: the engine differentiates the raveled function.
         _refuse_sparse_trees(backend, family, x_run, y, operator)
@@ -445,6 +446,16 @@ def _prepare_operator(
     )
     prep.has_aux = has_aux
     return prep
+
+
+def _refuse_sparse_vector_hessian(backend: Backend, family: str, y: Any, operator: str) -> None:
+    """``AutoSparse`` hessians are the sparse matrix of a scalar ``f``."""
+    if isinstance(backend, AutoSparse) and family == "hessian" and isinstance(y, torch.Tensor) and y.numel() != 1:
+        raise UnsupportedOperatorError(
+            f"{operator} with {backend!r}: a sparse hessian is the matrix of a scalar f, but f returns shape "
+            f"{tuple(y.shape)}. The dense backend {backend.dense!r} computes the hessian of a non-scalar f "
+            "(shape y.shape + x.shape + x.shape); or take the sparse hessian of each output's scalar function."
+        )
 
 
 def _refuse_sparse_trees(backend: Backend, family: str, x: Any, y: Any, operator: str) -> None:

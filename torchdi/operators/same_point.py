@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoAutograd, AutoCompile, AutoFunc, Backend
 from torchdi.contexts import Context
 from torchdi.engines.base import like_primal
+from torchdi.engines.compile import CompiledRunner
 from torchdi.operators._core import prepare_operator
 from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.runners import BoundFunction, Runner, Spec, build_runner
@@ -151,8 +152,6 @@ def _same_point_runner(backend: Backend, family: str, f: BoundFunction, spec: Sp
     if type(backend) is AutoFunc:
         return _func_runner(family, f, spec, x, values)
     if isinstance(backend, AutoCompile) and type(backend.inner) is AutoFunc and backend.mode != "reduce-overhead":
-        from torchdi.engines.compile import CompiledRunner
-
         folded = _folded_runner(build_runner(backend.inner, family, f, spec), x, tangents, values)
         runner = CompiledRunner(folded, backend, family, getattr(f, "function_name", repr(f)))
         with torch.no_grad():
