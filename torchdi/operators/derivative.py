@@ -63,6 +63,11 @@ def derivative(
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_derivative``.
         out: optional preallocated result buffer.
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Example::
 

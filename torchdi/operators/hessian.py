@@ -45,7 +45,10 @@ def hessian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
 ) -> torch.Tensor:
-    """The Hessian of the scalar ``f`` at the tensor ``x``, of shape ``x.shape + x.shape``.
+    """The Hessian of ``f`` at ``x``: shape ``x.shape + x.shape`` for a scalar ``f``, and
+    ``y.shape + x.shape + x.shape`` otherwise (as ``torch.func.hessian``); a pytree ``x`` (or
+    ``f(x)``) gives blocks nested as ``torch.func.hessian`` nests them. With ``has_aux=True``,
+    ``f`` returns ``(y, aux)`` and the result is ``(hessian, aux)``.
 
     Example::
 

@@ -54,6 +54,8 @@ def hvp(
         tx: tuple of tangents, each shaped like ``x``.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_hvp``.
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
 
     Returns:
         A tuple with one product (shaped like ``x``) per tangent.

@@ -58,13 +58,22 @@ def jacobian(
 ) -> torch.Tensor:
     """The Jacobian of ``f`` at ``x``, of shape ``y.shape + x.shape`` (the ``torch.func.jacrev`` layout).
 
+    For a pytree ``x`` or a pytree ``f(x)`` the result is nested as ``torch.func.jacrev`` nests
+    it: the outer level has ``f(x)``'s structure, the inner one ``x``'s, each leaf of shape
+    ``y_leaf.shape + x_leaf.shape``.
+
     Args:
-        f: the function ``f(x, *contexts) -> y`` (tensor to tensor).
+        f: the function ``f(x, *contexts) -> y`` (a tensor or pytree of tensors).
         backend: a torchdi backend.
-        x: a tensor.
+        x: a tensor or a pytree (dict/list/tuple) of tensors.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_jacobian``.
-        out: optional preallocated buffer of shape ``y.shape + x.shape``.
+        out: optional preallocated buffer(s) of the result's shape (and nesting).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Example::
 

@@ -74,6 +74,11 @@ def pullback(
         ty: tuple of cotangents, each shaped like ``f(x)``.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_pullback`` (prepared on the spot when ``None``).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Returns:
         A tuple with one ``dx`` (shaped like ``x``) per cotangent.
