@@ -17,8 +17,20 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from torchdi.backends import AutoAutograd, AutoSparse
-from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
+from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA
+from torchdi.composition import base_type, outer_inner
+from torchdi.families import FAMILIES, MATRIX_FAMILIES
+from torchdi.runners import (
+    BoundFunction,
+    Spec,
+    build_runner,
+    checked_entry,
+    engine_for,
+    num_compilations,
+    register_engine,
+    replace_spec,
+    warm_up,
+)
 from torchdi.sparsity.coloring import (
     color_groups,
     column_coloring,
@@ -26,7 +38,7 @@ from torchdi.sparsity.coloring import (
     star_coloring,
     star_recovery,
 )
-from torchdi.sparsity.dense import DenseSparsity, dense_sparsity
+from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import trace_sparsity
@@ -40,20 +52,34 @@ class SparseEngine:
     native: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, backend: AutoSparse) -> None:
-        from torchdi.engines import engine_for
-
         self.backend = backend
         self.dense_engine = engine_for(backend.dense)
-        self.native = self.dense_engine.native | {"jacobian", "hessian"}  # type: ignore[misc]
+        self.native = self.dense_engine.native | MATRIX_FAMILIES  # type: ignore[misc]
 
     @property
     def keeps_static(self) -> bool:
         return bool(self.dense_engine.keeps_static)
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        if family in ("jacobian", "hessian"):
+        if FAMILIES[family].matrix:
             return SparseRunner(self.backend, family, f, spec, self.dense_engine.native)
         return build_runner(self.backend.dense, family, f, spec)
+
+
+def dense_sparsity(
+    detector: DenseSparsity, default: Any, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool
+) -> IndexSets:
+    """The non-zeros (above ``atol``) of the dense jacobian (``hessian``: hessian) at ``x``, flattened."""
+    backend = detector.backend
+    if backend is None:
+        backend = default
+        while isinstance(backend, (AutoCompile, AutoXLA)):
+            backend = backend.inner
+    runner = build_runner(backend, "hessian" if hessian else "jacobian", f, spec)
+    warm_up(runner, x, None, contexts)
+    matrix = runner(x, None, contexts)[-1]
+    rows = spec.x.numel if hessian else spec.y.numel
+    return IndexSets.from_dense((matrix.detach().reshape(rows, spec.x.numel).abs() > detector.atol).cpu())
 
 
 def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool) -> tuple[IndexSets, tuple[str, ...]]:
@@ -99,7 +125,7 @@ class SparseRunner:
 
     @property
     def num_compilations(self) -> int:
-        return sum(int(getattr(r, "num_compilations", 0)) for r in (self.compressed, self.gradient) if r is not None)
+        return num_compilations(self.compressed) + num_compilations(self.gradient)
 
     def warm_up(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Detect, colour, and prepare the dense backend's batched runner on the colour seeds."""
@@ -124,7 +150,7 @@ class SparseRunner:
             rows = column_coloring(pattern.transpose(), self.backend.coloring) if reverse_ok else None
             # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
             # whose forward mode is a double backward (twice the work, and not compilable).
-            prefer_reverse = _base(self.backend.dense) is AutoAutograd
+            prefer_reverse = base_type(self.backend.dense) is AutoAutograd
             if columns is not None and (
                 rows is None
                 or columns.max(initial=-1) < rows.max(initial=-1)
@@ -152,11 +178,11 @@ class SparseRunner:
         if ncolors:
             family = {"forward": "pushforward", "reverse": "pullback", "star": "hvp"}[mode]
             self.compressed = build_runner(self.backend.dense, family, self.f, replace_spec(self.spec, n_tangents=ncolors))
-            _warm(self.compressed, x, self.seeds, contexts)
+            warm_up(self.compressed, x, self.seeds, contexts)
         if hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
-            _warm(self.gradient, x, None, contexts)
+            warm_up(self.gradient, x, None, contexts)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
             "ncolors": ncolors,
@@ -188,7 +214,7 @@ class SparseRunner:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
         def call(runner: Any, tangents: Any) -> Any:
-            return (getattr(runner, "checked_call", runner) if checked else runner)(x, tangents, contexts)
+            return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
 
         if self.family == "hessian":
             y, grad = call(self.gradient, None)
@@ -208,7 +234,4 @@ class SparseRunner:
         return self._run(x, contexts, checked=True)
 
 
-def _warm(runner: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        warm_up(x, tangents, contexts)
+register_engine(AutoSparse, SparseEngine)

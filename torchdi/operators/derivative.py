@@ -13,11 +13,11 @@ from torchdi.operators._core import prepare_operator, run_operator, with_aux_res
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
 )
 
@@ -90,4 +90,4 @@ def derivative_from_pushforward(backend: Backend, f: BoundFunction, spec: Spec) 
     return run
 
 
-FALLBACKS["derivative"] = derivative_from_pushforward
+register_fallback("derivative", derivative_from_pushforward)

@@ -9,17 +9,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
+from torchdi.composition import outer_inner
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     TreeMeta,
     build_runner,
-    outer_inner,
+    register_fallback,
     replace_spec,
 )
 
@@ -103,4 +103,4 @@ def hessian_from_jacobians(backend: Backend, f: BoundFunction, spec: Spec) -> Ru
     return run
 
 
-FALLBACKS["hessian"] = hessian_from_hvps
+register_fallback("hessian", hessian_from_hvps)

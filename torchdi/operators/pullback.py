@@ -14,11 +14,11 @@ from torchdi.operators._core import prepare_operator, run_operator, with_aux_res
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
     unbatch,
 )
@@ -118,4 +118,4 @@ def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -
     return run
 
 
-FALLBACKS["pullback"] = pullback_from_pushforwards
+register_fallback("pullback", pullback_from_pushforwards)
