@@ -23,6 +23,7 @@ from torchdi.backends import (
     AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
+    AutoSparse,
     AutoXLA,
     Backend,
     SecondOrder,
@@ -169,6 +170,8 @@ _STATE_WORKS = "AutoAutograd(), AutoFunc(), and AutoCompile() and AutoXLA() with
 
 def state_refusal(family: str, backend: Backend, operator: str) -> UnsupportedOperatorError | None:
     """The error for a ``State`` context where its update would not happen exactly once, or ``None``."""
+    if isinstance(backend, AutoSparse) and not FAMILIES[family].matrix:
+        return state_refusal(family, backend.dense, operator)  # AutoSparse hands these to its dense backend
     inner = backend.inner if isinstance(backend, _COMPILED) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
     if FAMILIES[family].state and isinstance(inner, STATE_BACKENDS) and compiled_in_place:

@@ -38,6 +38,7 @@ __all__ = [
     "Runner",
     "RunnerFunction",
     "Spec",
+    "ServesEmpty",
     "TranslatesContexts",
     "TreeMeta",
     "WarmsUp",
@@ -214,6 +215,15 @@ class Engine(Protocol):
         """A runner ``(x, batched_tangents, context_values) -> full result``, or ``None`` to let
         the generic fallback of ``family`` build it from other runners."""
         ...
+
+
+@runtime_checkable
+class ServesEmpty(Protocol):
+    """An engine whose runners of ``builds_empty`` also serve an empty ``x`` or ``f(x)`` (its own
+    result layout and prep attributes), instead of the generic zero map."""
+
+    @property
+    def builds_empty(self) -> frozenset[str]: ...
 
 
 @runtime_checkable

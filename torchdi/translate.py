@@ -210,6 +210,13 @@ def copyto_(dst: Any, src: Any) -> Any:
             if d.layout == torch.sparse_csr:
                 _copy_csr_values(d, s, i)
                 continue
+            if s.layout != torch.strided:  # torch's own copy_ error names neither out= nor the remedy
+                raise ValueError(
+                    f"copyto_: leaf {i} of the source is a sparse {s.layout} tensor (an AutoSparse result) but "
+                    f"the destination is {d.layout}: out= for a sparse result must be the CSR tensor a previous "
+                    "call of the same preparation returned (out = jacobian(..., prep=prep); later "
+                    "jacobian(..., prep=prep, out=out)); for a dense matrix, call .to_dense() on the result"
+                )
             d.copy_(s)
         elif d is not s and d != s:
             raise ValueError(
@@ -221,6 +228,11 @@ def copyto_(dst: Any, src: Any) -> Any:
 
 def _copy_csr_values(dst: torch.Tensor, src: torch.Tensor, leaf: int) -> None:
     """Fill a sparse CSR ``dst`` in place from ``src`` of the same sparsity pattern (values only)."""
+    if src.layout == torch.sparse_csr and _same_storage(dst.crow_indices(), src.crow_indices()) and _same_storage(
+        dst.col_indices(), src.col_indices()
+    ):  # results of one AutoSparse preparation share their index tensors: no O(nnz) comparison
+        dst.values().copy_(src.values())
+        return
     if src.layout != torch.sparse_csr or not (
         torch.equal(dst.crow_indices(), src.crow_indices().to(dst.device))
         and torch.equal(dst.col_indices(), src.col_indices().to(dst.device))
@@ -230,6 +242,10 @@ def _copy_csr_values(dst: torch.Tensor, src: torch.Tensor, leaf: int) -> None:
             "sparsity pattern (crow_indices and col_indices), e.g. a result of the same AutoSparse preparation"
         )
     dst.values().copy_(src.values())
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def copyfrom(src: Any, out: Any = None) -> Any:

@@ -13,6 +13,7 @@ from torchdi.engines import (  # noqa: F401  (imported for their registration)
     compile,
     finitediff,
     func,
+    mixed,
     second_order,
     sparse,
     xla,

@@ -12,9 +12,18 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import _BACKEND_TYPES, Backend
 from torchdi.composition import state_refusal
 from torchdi.families import FAMILIES, Family
-from torchdi.runners import TreeMeta
+from torchdi.runners import BoundFunction, TreeMeta
 
-__all__ = ["canonical_x", "check_backend", "check_out", "check_output", "check_state", "check_tangents"]
+__all__ = [
+    "canonical_x",
+    "check_backend",
+    "check_out",
+    "check_output",
+    "check_state",
+    "check_tangents",
+    "grad_probes",
+    "x_unused",
+]
 
 
 def check_backend(backend: Any, operator: str, examples: str = "torchdi.AutoAutograd() or torchdi.AutoFunc()") -> None:
@@ -142,3 +151,58 @@ def check_output(y: Any, row: Family, operator: str) -> None:
         )
     if not all(leaf.is_floating_point() or leaf.is_complex() for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return floating-point tensors, got dtypes {[leaf.dtype for leaf in y_leaves]}")
+
+
+def grad_probes(x: Any) -> tuple[Any, set[int]] | None:
+    """``x`` with its floating-point leaves replaced by detached aliases that require grad, and
+    their ids; ``None`` when ``x`` has no such leaf."""
+    flat, spec = pytree.tree_flatten(x)
+    probes = [
+        leaf.detach().requires_grad_() if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()) else leaf
+        for leaf in flat
+    ]
+    wanted = {id(p) for p, leaf in zip(probes, flat) if p is not leaf}
+    return (pytree.tree_unflatten(probes, spec), wanted) if wanted else None
+
+
+def x_unused(y: Any, wanted: set[int], f: BoundFunction, x: Any, values: tuple[Any, ...]) -> bool:
+    """Whether ``f``'s output ``y`` (computed from the probes ``wanted``) does not depend on ``x``.
+
+    The classic slip is a loss that calls ``model(batch)`` instead of
+    ``functional_call(model, params, (batch,))``: ``x`` (the parameters dict) is never used and
+    every derivative is silently zero, where ``torch.autograd.grad`` would raise. ``y``'s autograd
+    graph is walked for ``x``'s leaves (the model's own parameters may give it a graph); when
+    none is reached, ``f`` may still hide ``x`` from autograd (numpy inside, for finite
+    differences): it is then evaluated at a moved ``x``, and only an unchanged output counts.
+    """
+    outs = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor)]
+    if any(id(t) in wanted for t in outs):  # f returns x itself
+        return False
+    roots: list[Any] = [t.grad_fn for t in outs if t.grad_fn is not None]
+    seen: set[Any] = set()
+    while roots:  # down to the leaves the graph accumulates into
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:
+            return False
+        roots.extend(child for child, _ in node.next_functions)
+    flat, spec = pytree.tree_flatten(x)
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in flat):
+        return False  # no values to compare
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: preparation leaves it alone
+    moved = [
+        leaf + 0.01 * (leaf.abs() + 1) * torch.randn(leaf.shape, generator=generator, dtype=torch.float64).to(leaf.device, leaf.dtype)
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        else leaf
+        for leaf in flat
+    ]
+    try:
+        with torch.no_grad():
+            again = pytree.tree_leaves(f(pytree.tree_unflatten(moved, spec), values))
+    except Exception:
+        return False
+    return len(again) == len(outs) and all(
+        isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b.detach()) for a, b in zip(again, outs)
+    )

@@ -6,6 +6,7 @@ runners and their construction in ``torchdi.runners``, the family facts in ``tor
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -16,7 +17,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
-from torchdi.errors import UnsupportedOperatorError
+from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
 from torchdi.operators._aux import AuxRunner, native_aux, split_aux, without_aux
@@ -27,6 +28,8 @@ from torchdi.operators._checks import (
     check_output,
     check_state,
     check_tangents,
+    grad_probes,
+    x_unused,
 )
 from torchdi.operators._guards import (
     refuse_mutation,
@@ -39,6 +42,7 @@ from torchdi.prep import Prep, PreparationMismatchError, describe, describe_cont
 from torchdi.runners import (
     BoundFunction,
     Runner,
+    ServesEmpty,
     Spec,
     TranslatesContexts,
     TreeMeta,
@@ -138,14 +142,26 @@ def _prepare_operator(
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
     seen_by_f = engine.contexts_seen_by_f if isinstance(engine, TranslatesContexts) else None
-    try:
-        with torch.no_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
-            y = bound(x_run, values if seen_by_f is None else seen_by_f(values))
-    except Exception as error:
-        note = None if seen_by_f is None else translation_note(values)
-        if note:
-            error.add_note(note)
-        raise
+    # The first evaluation also tells whether f's output uses x at all (x_unused): x's leaves
+    # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
+    # evaluated again as before, under no_grad, and reports its own error.
+    seen = values if seen_by_f is None else seen_by_f(values)
+    probing = grad_probes(x_run)
+    if probing is not None:
+        try:
+            with torch.enable_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                y = bound(probing[0], seen)
+        except Exception:
+            probing = None
+    if probing is None:
+        try:
+            with torch.no_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                y = bound(x_run, seen)
+        except Exception as error:
+            note = None if seen_by_f is None else translation_note(values)
+            if note:
+                error.add_note(note)
+            raise
     with_aux, tensor_aux = bound, True
     if has_aux:
         y, aux = split_aux(y, operator)
@@ -154,6 +170,14 @@ def _prepare_operator(
         del aux
         bound = without_aux(bound, operator)
     check_output(y, row, operator)
+    if probing is not None and x_unused(y, probing[1], bound, x_run, seen):
+        warnings.warn(
+            f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
+            "is zero. If f evaluates a model, pass the parameters through it: "
+            "torch.func.functional_call(model, params, (batch,)) instead of model(batch).",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
     output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     flattening = None
@@ -197,7 +221,7 @@ def _prepare_operator(
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
-    if spec.x.numel == 0 or spec.y.numel == 0:
+    if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
