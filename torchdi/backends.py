@@ -51,15 +51,21 @@ class AutoFunc:
     Args:
         chunk_size: passed to ``jacrev``/``jacfwd`` to bound the memory of batched jacobians.
             ``None`` computes all rows at once.
+        mode: how jacobians are built: ``"forward"`` forces ``jacfwd`` (one column per input),
+            ``"reverse"`` forces ``jacrev`` (one row per output); ``None`` picks by shape
+            (forward when ``x`` has fewer elements than ``f(x)``).
     """
 
     chunk_size: int | None = None
+    mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and (
-            not isinstance(self.chunk_size, int) or self.chunk_size < 1
+            not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1
         ):
             raise ValueError(f"AutoFunc: chunk_size must be None or a positive int, got {self.chunk_size!r}")
+        if self.mode not in (None, "forward", "reverse"):
+            raise ValueError(f"AutoFunc: mode must be None, 'forward' or 'reverse', got {self.mode!r}")
 
 
 @dataclass(frozen=True)

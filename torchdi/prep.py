@@ -176,9 +176,11 @@ class Prep:
         "backend",
         "call",
         "f",
+        "has_aux",
         "keep_static",
         "operator",
         "output_shape",
+        "point",
         "runner",
         "strict",
     )
@@ -207,6 +209,10 @@ class Prep:
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
+        # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
+        self.has_aux = False
+        # A same-point preparation's point (prepare_*_same_point): checked on every call.
+        self.point: Any = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

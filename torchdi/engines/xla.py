@@ -524,7 +524,13 @@ class XLAEngine:
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         inner_backend = self.backend.inner
-        if family == "hessian" and type(inner_backend) is AutoFunc and inner_backend.chunk_size is None:
+        if (
+            family == "hessian"
+            and type(inner_backend) is AutoFunc
+            and inner_backend.chunk_size is None
+            and inner_backend.mode is None
+            and torch.Size(spec.y.shapes[0]).numel() == 1
+        ):
             inner = _hessian_from_hvps(f, spec)
         else:
             inner = build_runner(inner_backend, family, f, spec)
