@@ -72,3 +72,30 @@ def test_two_process_gloo_training_matches_single_process_full_batch():
     assert "collective calls per step: 1\n" in done.stdout  # one flat bucket per step, counted by the profiler
     difference = float(done.stdout.split("max |param - single-process full batch|:")[1].split()[0])
     assert difference < 1e-5
+
+
+@pytest.mark.parametrize("backend", [td.AutoAutograd(), td.AutoFunc()], ids=str)
+def test_all_reduce_takes_expanded_gradients_of_a_linear_term(single_process_group, backend):
+    """d sum(x) is a stride-0 view of one number: reduced in place all the same (issue 23 item 10)."""
+    x = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    grads = td.gradient(lambda p: p["w"].sum() + (p["b"] ** 2).sum(), backend, x)
+    assert 0 in grads["w"].stride()  # the case that crashed: an expanded tensor
+    w_grad = grads["w"]
+    out = td.distributed.all_reduce_(grads)
+    assert out is grads and grads["w"] is w_grad  # the same tensor objects, now with their own memory
+    torch.testing.assert_close(grads["w"], torch.ones(3, 4))
+    torch.testing.assert_close(grads["b"], 2 * x["b"])
+    lone = td.gradient(lambda t: t.sum(), backend, torch.randn(5))
+    td.distributed.all_reduce_(lone, op="sum")
+    torch.testing.assert_close(lone, torch.ones(5))
+    lone.add_(1.0)  # writable: its elements no longer share one memory location
+    torch.testing.assert_close(lone, torch.full((5,), 2.0))
+
+
+def test_overlap_check_is_exact_on_common_layouts():
+    from torchdi.distributed import _overlaps
+
+    assert not _overlaps(torch.ones(3, 4)) and not _overlaps(torch.ones(3, 4).t()) and not _overlaps(torch.ones(6)[::2])
+    assert _overlaps(torch.ones(1).expand(3)) and _overlaps(torch.ones(3, 1).expand(3, 4))
+    assert _overlaps(torch.ones(10).as_strided((3, 3), (2, 1)))
+    assert not _overlaps(torch.ones(1, 1).expand(1, 1))

@@ -71,9 +71,29 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
         offset = 0
         with torch.no_grad():
             for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                reduced = flat[offset : offset + t.numel()].view(t.shape)
+                if _overlaps(t):
+                    # An expanded gradient (d sum(x) is a stride-0 view of one number): its
+                    # elements share memory, so it cannot hold different values; the tensor is
+                    # pointed at its own reduced storage instead, still in place for the caller.
+                    t.set_(reduced.clone())
+                else:
+                    t.copy_(reduced)
                 offset += t.numel()
     return grads
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (conservative: ``True`` when unsure).
+
+    Dimensions sorted by stride, each must step past everything the smaller ones span.
+    """
+    span = 0
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def _buckets(leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
