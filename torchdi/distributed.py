@@ -76,7 +76,8 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
                     # An expanded gradient (d sum(x) is a stride-0 view of one number): its
                     # elements share memory, so it cannot hold different values; the tensor is
                     # pointed at its own reduced storage instead, still in place for the caller.
-                    t.set_(reduced.clone())
+                    fresh = reduced.clone()
+                    t.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
                 else:
                     t.copy_(reduced)
                 offset += t.numel()
