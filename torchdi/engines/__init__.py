@@ -14,6 +14,7 @@ from torchdi.backends import (
     AutoSparse,
     AutoXLA,
     Backend,
+    DataParallel,
     SecondOrder,
 )
 from torchdi.engines.base import Engine
@@ -51,4 +52,8 @@ def engine_for(backend: Backend) -> Engine:
         from torchdi.engines.sparse import SparseEngine
 
         return SparseEngine(backend)
+    if isinstance(backend, DataParallel):
+        from torchdi.engines.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(backend)
     raise TypeError(f"not a torchdi backend: {backend!r}")

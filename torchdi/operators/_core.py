@@ -20,6 +20,7 @@ from torchdi.backends import (
     AutoFunc,
     AutoXLA,
     Backend,
+    DataParallel,
     require_available,
 )
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
@@ -241,6 +242,8 @@ def _check_state(family: str, backend: Backend, values: tuple[Any, ...], kinds: 
                 f"{operator}: context {i + 1} (State) must be a tensor or a dict/list/tuple of tensors "
                 f"(e.g. dict(model.named_buffers())), got {value!r:.200}"
             )
+    if isinstance(backend, DataParallel):  # each process updates its own State, as FSDP2 and DDP's forward do
+        backend = backend.backend
     inner = backend.inner if isinstance(backend, (AutoCompile, AutoXLA)) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
     if family not in _STATE_FAMILIES or not isinstance(inner, (AutoAutograd, AutoFunc)) or not compiled_in_place:
