@@ -18,7 +18,16 @@ interleaved repeats (each repeat times a block of steps of every contender in tu
 processes in step through a barrier), with the ratio to the contender's PyTorch counterpart,
 all from the same run.
 
+``--memory`` measures instead the per-process peak memory of a step, FSDP2 eager against torchdi
+on ``DataParallel(AutoFunc())`` (eager, so that no compiler's own memory counts), on a model whose
+parameters dominate (an MLP of eight 1024x1024 layers, 8.4M parameters): each contender runs in
+its own pair of fresh processes and reports the largest resident set size (``/proc/self/statm``,
+sampled every 0.5 ms by a thread) during three steps, above the resident size before the first
+step (model and optimizer built). A rough measure (the allocator may keep freed memory), but
+the same for both.
+
 Run: ``python benchmarks/distributed.py [--repeats N] [--steps K] [--compiler inductor|aot_eager] [--markdown FILE]``
+or ``python benchmarks/distributed.py --memory``.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,6 +161,88 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         dist.destroy_process_group()
 
 
+def big_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_worker(rank: int, world: int, port: int, contender: str, out: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = big_mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        params = dict(model.named_parameters())
+        g = torch.Generator().manual_seed(rank)
+        data = [(torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)) for _ in range(3)]
+        backend = td.distributed.DataParallel(td.AutoFunc())
+
+        def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, batch: Any) -> torch.Tensor:
+            return (td.distributed.functional_call(m, p, (batch[0],)) - batch[1]).pow(2).mean()
+
+        prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data[0])) if contender == "torchdi" else None
+        for p in model.parameters():  # Adam's states exist before the measurement, for both
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad()
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], resident_bytes())
+                time.sleep(0.0005)
+
+        base = resident_bytes()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        for batch in data:
+            optimizer.zero_grad()
+            if prep is None:
+                (model(batch[0]) - batch[1]).pow(2).mean().backward()
+            else:
+                td.gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params))
+            optimizer.step()
+        done.set()
+        sampler.join()
+        if rank == 0:
+            out.put((peak[0] - base, sum(p.numel() for p in params.values())))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_memory() -> int:
+    rows = {}
+    for contender in ("FSDP2 eager", "torchdi"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(memory_worker, args=(2, port, contender, out), nprocs=2, start_method="spawn")
+        rows[contender] = out.get()
+    (eager, numel), (ours, _) = rows["FSDP2 eager"], rows["torchdi"]
+    print(f"MLP 8x1024x1024 ({numel / 1e6:.1f}M parameters), 2 gloo processes, 3 Adam steps, peak resident set above the start of the steps:")
+    print(f"| FSDP2 eager | {eager / 2**20:.0f} MiB |\n| torchdi DataParallel(AutoFunc()) | {ours / 2**20:.0f} MiB ({ours / max(eager, 1):.2f}x) |")
+    return 0
+
+
 def format_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| contender | first step (s) | steps/s | ratio |", "|---|---:|---:|---|"]
     for row in rows:
@@ -168,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated: {', '.join(CONTENDERS)}")
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--memory", action="store_true", help="measure per-process peak memory instead (see above)")
     args = parser.parse_args(argv)
+    if args.memory:
+        return measure_memory()
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:

@@ -187,13 +187,16 @@ def _fsdp_hooks_off(modules: list[torch.nn.Module]) -> Iterator[None]:
                 if not isinstance(module, fsdp) or id(module) in seen or id(module) in _HOOKS_OFF:
                     continue
                 seen.add(id(module))
+                found = False
                 for hooks in (module._forward_pre_hooks, module._forward_hooks):
                     ours = {key: hook for key, hook in hooks.items() if _is_fsdp_hook(hook)}
                     if ours:
+                        found = True
                         removed.append((hooks, list(hooks.items()), ours))
                         for key in ours:
                             del hooks[key]
-                ids.append(id(module))
+                if found:  # else its hooks stay on, and refuse_data_parallel refuses it at preparation
+                    ids.append(id(module))
     with _LOCK:
         _HOOKS_OFF.update(ids)
     try:
