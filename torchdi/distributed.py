@@ -402,7 +402,7 @@ class Layout:
         full: list[Any] = [None] * len(local)
         for bucket in self.buckets:
             flat = torch.cat([_pad_rows(local[i], self.chunks[i]).reshape(-1) for i in bucket])
-            rows = funcol.all_gather_tensor(flat, 0, self.group).view(self.world, -1)
+            rows = _all_gather(funcol)(flat, 0, self.group).view(self.world, -1)
             offset = 0
             for i in bucket:
                 shape, chunk = self.shapes[i], self.chunks[i]
@@ -427,7 +427,7 @@ class Layout:
                     shape, chunk = self.shapes[i], self.chunks[i]
                     pieces.append(_pad_rows(grads[i], self.world * chunk).reshape(self.world, -1))
                 flat = torch.cat(pieces, dim=1).reshape(-1)
-                part = funcol.reduce_scatter_tensor(flat, "sum", 0, self.group)
+                part = _reduce_scatter(funcol)(flat, "sum", 0, self.group)
                 offset = 0
                 for i in bucket:
                     shape, chunk = self.shapes[i], self.chunks[i]
@@ -451,6 +451,15 @@ def _funcol() -> Any:
     import torch.distributed._functional_collectives as funcol  # traceable collectives (public since 2.1, underscored)
 
     return funcol
+
+
+def _all_gather(funcol: Any) -> Any:
+    # all_gather_single in newer torch (all_gather_tensor, its older name, warns there; 2.13 has both).
+    return getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _reduce_scatter(funcol: Any) -> Any:
+    return getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
