@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,17 @@ def max_difference(a: nn.Module, b: nn.Module) -> float:
         return max(float((full(p) - full(q)).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def collectives(step: Callable[[], object]) -> dict[str, int]:
+    """The collective calls ``step`` makes, by name, counted by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    counts: dict[str, int] = {}
+    for event in profile.events():
+        if event.name.startswith("gloo:"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
 def train_fsdp(kind: str, backend_name: str, wrapped: bool = True) -> dict:
     """10 Adam steps: eager FSDP2 (loss.backward()) against torchdi on the same sharded model."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -100,12 +112,14 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True) -> dict:
         forward(kind, reference, *data, reference).backward()
         ref_opt.step()
         optimizer.zero_grad()
-        loss, grads = td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params))
+        result: list = []
+        counted = collectives(lambda result=result, data=data: result.append(td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params))))
+        loss, grads = result[0]
         first = float(loss) if first is None else first
         placements &= all(type(g).__name__ == "DTensor" and g.placements == params[n].placements and g is params[n].grad for n, g in grads.items())
         optimizer.step()
     moved = max_difference(model, shard(make(), mesh))
-    return {"difference": max_difference(model, reference), "moved": moved, "placements": placements, "compilations": prep.num_compilations}
+    return {"difference": max_difference(model, reference), "moved": moved, "placements": placements, "compilations": prep.num_compilations, "collectives": counted}
 
 
 def train_ddp(kind: str, backend_name: str) -> dict:
@@ -132,10 +146,12 @@ def train_ddp(kind: str, backend_name: str) -> dict:
         mean_loss = ref_loss.detach().clone()
         dist.all_reduce(mean_loss)
         optimizer.zero_grad()
-        loss, _ = td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params))
+        result: list = []
+        counted = collectives(lambda result=result, data=data: result.append(td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params))))
+        loss, _ = result[0]
         value_error = max(value_error, abs(float(loss) - float(mean_loss) / world))
         optimizer.step()
-    return {"difference": max_difference(model, reference.module), "value": value_error, "compilations": prep.num_compilations}
+    return {"difference": max_difference(model, reference.module), "value": value_error, "compilations": prep.num_compilations, "collectives": counted}
 
 
 def expect_error(call, kind: type, *fragments: str) -> dict:

@@ -140,6 +140,10 @@ def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
     assert result["moved"] > 1e-2  # not a zero gradient: the parameters moved as eager FSDP2's did
     assert result["placements"]
     assert result["compilations"] == (1 if check.endswith("compile") else 0)  # one program, no recompilation
+    if "mlp" in check and "unwrapped" not in check:
+        # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
+        # all-reduce) of the gradients, one all-reduce of the value, per step
+        assert result["collectives"] == {"gloo:all_gather": 1, "gloo:all_reduce": 2}
 
 
 @pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.startswith("ddp-")])
@@ -150,6 +154,7 @@ def test_data_parallel_equals_ddp(check):
     assert result["difference"] <= 1e-5
     assert result["value"] <= 1e-6
     assert result["compilations"] == (1 if check.endswith("compile") else 0)
+    assert result["collectives"] == {"gloo:all_reduce": 1}  # one flat bucket, the value inside it
 
 
 @pytest.mark.parametrize(

@@ -417,7 +417,11 @@ class Layout:
         grads = pytree.tree_leaves(grads)
         scale = 1.0 / self.world if op == "mean" else 1.0
         out: list[Any] = [None] * len(grads)
-        if value is not None:
+        # Replicated x: the value rides in the first bucket of its dtype (no collective of its own).
+        carrier = None
+        if value is not None and not self.sharded:
+            carrier = next((b for b in self.buckets if grads[b[0]].dtype == value.dtype), None)
+        if value is not None and carrier is None:
             value = funcol.all_reduce(value, "sum", self.group)
             value = value * scale if op == "mean" else value
         for bucket in self.buckets:
@@ -436,8 +440,12 @@ class Layout:
                     out[i] = piece * scale if op == "mean" else piece.clone()
                     offset += size
             else:
-                flat = torch.cat([grads[i].reshape(-1) for i in bucket])
+                tail = [value.reshape(1)] if bucket is carrier else []
+                flat = torch.cat([grads[i].reshape(-1) for i in bucket] + tail)
                 total = funcol.all_reduce(flat, "sum", self.group)
+                if tail:
+                    value = total[-1].reshape(value.shape)
+                    value = value * scale if op == "mean" else value.clone()
                 offset = 0
                 for i in bucket:
                     n = self.shapes[i].numel()
