@@ -222,3 +222,14 @@ def test_gpt2_compiled_fsdp2_and_data_parallel_equal_the_eager_loops():
         assert "exception" not in result, result.get("exception")
         assert result["difference"] <= 1e-5 and result["compilations"] == 1
     assert results["fsdp-gpt2-compile"]["placements"] and results["fsdp-gpt2-compile"]["moved"] > 1e-2
+
+
+@pytest.mark.slow
+def test_fsdp_example_matches_eager_fsdp2():
+    example = EXAMPLE.parent / "train_fsdp.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(example.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example), "--steps", "3"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gradient placements: (Shard(dim=0),)\n" in done.stdout
+    assert float(done.stdout.split("max |param - eager FSDP2|:")[1].split()[0]) < 1e-5
