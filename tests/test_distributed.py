@@ -233,3 +233,23 @@ def test_fsdp_example_matches_eager_fsdp2():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gradient placements: (Shard(dim=0),)\n" in done.stdout
     assert float(done.stdout.split("max |param - eager FSDP2|:")[1].split()[0]) < 1e-5
+
+
+def test_data_parallel_updates_state_buffers_once(single_process_group):
+    """Module buffers as a State under DataParallel: updated once per call, as by the wrapped backend."""
+    def bn_loss(params, buffers, model, inputs):
+        return functional_call(model, (params, buffers), (inputs,)).pow(2).mean()
+
+    results = []
+    for backend in (td.AutoFunc(), td.distributed.DataParallel(td.AutoFunc())):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        grads = td.gradient(bn_loss, backend, params, td.State(buffers), td.Constant(model), td.Constant(torch.randn(8, 3, generator=torch.Generator().manual_seed(1))))
+        results.append((grads, {n: b.clone() for n, b in buffers.items()}))
+    (want_g, want_b), (got_g, got_b) = results
+    assert int(got_b["1.num_batches_tracked"]) == 1
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name])
+    for name in want_b:
+        torch.testing.assert_close(got_b[name], want_b[name])
