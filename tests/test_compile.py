@@ -79,27 +79,28 @@ VARIANTS = {
 }
 
 
-def graphs(family, plain_called=True):
-    """Graphs a preparation compiles: prepare_gradient compiles value_and_gradient's; the plain
-    gradient's, without the value (which lets the compiler drop f's final reduction), is compiled
-    on its first call."""
-    return 2 if family == "gradient" and plain_called else 1
+def graphs(family):
+    """Graphs a preparation compiles: one, serving the plain operator and its value_ variant
+    (rule 2: no call compiles anything after prepare_*)."""
+    return 1
 
 
-def test_plain_gradient_runs_the_graph_without_the_value():
+@pytest.mark.parametrize("plain_first", [True, False])
+def test_plain_gradient_and_value_and_gradient_share_the_prepared_program(plain_first):
     x = _point(0)
-    prep = td.prepare_gradient(scalar_loss, AOT, x, td.Constant(1.0), td.Cache(torch.empty(5)))
-    assert prep.lean_runner is None and prep.num_compilations == 1  # compiled on first use only
-    y, g = td.value_and_gradient(scalar_loss, AOT, x, td.Constant(1.0), td.Cache(torch.empty(5)), prep=prep)
-    _close((y, g), td.value_and_gradient(scalar_loss, REFERENCE, x, td.Constant(1.0), td.Cache(torch.empty(5))))
+    contexts = (td.Constant(1.0), td.Cache(torch.empty(5)))
+    prep = td.prepare_gradient(scalar_loss, AOT, x, *contexts)
     assert prep.num_compilations == 1
-    grad = td.gradient(scalar_loss, AOT, x, td.Constant(1.0), td.Cache(torch.empty(5)), prep=prep)
-    _close(grad, td.gradient(scalar_loss, REFERENCE, x, td.Constant(1.0), td.Cache(torch.empty(5))))
-    with torch.no_grad():  # as operators call it (grad mode is one of dynamo's guards)
-        value, grad = prep.lean_runner(x, None, (1.0, torch.empty(5)))
-    assert value is None
-    assert prep.num_compilations == 2
-    assert prep.runner.fast_path and prep.lean_runner.fast_path
+    for seed in (1, 2) if plain_first else (2, 1):
+        x = _point(seed)
+        if seed == 1:
+            grad = td.gradient(scalar_loss, AOT, x, *contexts, prep=prep)
+            _close(grad, td.gradient(scalar_loss, REFERENCE, x, *contexts))
+        else:
+            y, g = td.value_and_gradient(scalar_loss, AOT, x, *contexts, prep=prep)
+            _close((y, g), td.value_and_gradient(scalar_loss, REFERENCE, x, *contexts))
+        assert prep.num_compilations == 1  # before this release: 2 after the first plain gradient
+    assert prep.runner.fast_path
 
 
 def _call(name, f, backend, x, tangents, contexts, prep):
@@ -118,7 +119,7 @@ def test_aot_eager_every_operator_prepared_elsewhere(case):
     t1 = None if make_tangents is None else make_tangents(x1)
     prepare = getattr(td, f"prepare_{family}")
     prep = prepare(f, AOT, x0, *(() if t0 is None else (t0,)), *make_contexts(0))
-    assert prep.num_compilations == graphs(family, plain_called=False)
+    assert prep.num_compilations == graphs(family)
     for name in VARIANTS[family]:
         got = _call(name, f, AOT, x1, t1, make_contexts(1), prep)
         want = _call(name, f, REFERENCE, x1, t1, make_contexts(1), None)
@@ -300,13 +301,13 @@ def test_reduce_overhead_owns_buffers_and_returns_fresh_results():
     x = _point(0)
     prep = td.prepare_gradient(scalar_loss, backend, x, td.Constant(1.0), td.Cache(torch.empty(5)))
     td.gradient(scalar_loss, backend, x, td.Constant(1.0), td.Cache(torch.empty(5)), prep=prep)
-    buffers = [id(t) for t in torch.utils._pytree.tree_leaves(prep.lean_runner.buffers)]
+    buffers = [id(t) for t in torch.utils._pytree.tree_leaves(prep.runner.buffers)]
     results = []
     for seed in range(1, 4):
         x = _point(seed)
         results.append(td.gradient(scalar_loss, backend, x, td.Constant(1.0), td.Cache(torch.empty(5)), prep=prep))
         _close(results[-1], td.gradient(scalar_loss, REFERENCE, x, td.Constant(1.0), td.Cache(torch.empty(5))))
-    assert [id(t) for t in torch.utils._pytree.tree_leaves(prep.lean_runner.buffers)] == buffers
+    assert [id(t) for t in torch.utils._pytree.tree_leaves(prep.runner.buffers)] == buffers
     assert not torch.equal(results[0], results[1])  # earlier results are not overwritten
     assert prep.num_compilations == graphs("gradient")
 

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torchdi
+from torchdi.families import FAMILIES
 from torchdi.sparsity.coloring import (
     GreedyColoring,
     adjacency,
@@ -403,3 +404,40 @@ def test_sparse_scenarios_pass_test_differentiation():
     from torchdi.testing import test_differentiation
 
     test_differentiation([torchdi.AutoSparse(torchdi.AutoFunc())], sparse_scenarios(sizes=(8,)), rtol=1e-6, atol=1e-8)
+
+
+def _sparse_rule_2_case(family):
+    def vector(x):
+        return x[1:] * x[:-1] + x[1:].sin()
+
+    def scalar(x):
+        return (vector(x) ** 2).sum()
+
+    x0, x1 = torch.linspace(-1.0, 1.0, 6), torch.linspace(-0.5, 1.5, 6)
+    tangents = {"pullback": (torch.ones(5),), "pushforward": (torch.ones(6),), "hvp": (torch.ones(6),)}.get(family)
+    f = scalar if family in ("gradient", "hvp", "hessian") else vector
+    return f, x0, x1, tangents
+
+
+@pytest.mark.parametrize("family", ["jacobian", "hessian", "gradient", "pullback", "pushforward", "hvp", "derivative"])
+def test_rule_2_on_compiled_sparse_both_variants(family):
+    # After prepare_*, neither the plain operator nor its value_ variant compiles anything.
+    row = FAMILIES[family]
+    backend = torchdi.AutoSparse(torchdi.AutoCompile(compiler="aot_eager"))
+    if family == "derivative":
+        f, x0, x1, tangents = (lambda x: x.sin() * x), torch.tensor(0.3), torch.tensor(0.7), None
+    else:
+        f, x0, x1, tangents = _sparse_rule_2_case(family)
+    head0 = (x0,) if tangents is None else (x0, tangents)
+    head1 = (x1,) if tangents is None else (x1, tangents)
+    prep = getattr(torchdi, f"prepare_{family}")(f, backend, *head0)
+    before = prep.num_compilations
+    assert before >= 1
+    for name in (row.operator, row.value_operator):
+        got = getattr(torchdi, name)(f, backend, *head1, prep=prep)
+        want = getattr(torchdi, name)(f, torchdi.AutoFunc(), *head1)
+        got, want = (got,) if not isinstance(got, tuple) else got, (want,) if not isinstance(want, tuple) else want
+        for g, w in zip(got, want):
+            g = g.to_dense() if isinstance(g, torch.Tensor) and g.layout == torch.sparse_csr else g
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert prep.num_compilations == before, name

@@ -2,7 +2,7 @@
 
 Test-only engines (a backend returning a perturbed gradient, one that "recompiles" on every
 call, one whose Prep keeps the user's x alive) are installed by monkeypatching
-``torchdi.engines.engine_for`` for one otherwise unused backend value.
+``torchdi.runners``' engine cache for one otherwise unused backend value.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchdi
-import torchdi.engines
+import torchdi.runners
 from torchdi.testing import (
     OPERATORS,
     Scenario,
@@ -41,14 +41,8 @@ def float64_scenarios() -> list[Scenario]:
 
 def install_engine(monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
     """Make ``ODD`` run the engine ``make(real_func_engine)``."""
-    real = torchdi.engines.engine_for
-
-    def engine_for(backend: Any) -> Any:
-        if backend == ODD:
-            return make(real(torchdi.AutoFunc()))
-        return real(backend)
-
-    monkeypatch.setattr(torchdi.engines, "engine_for", engine_for)
+    # Engines are cached per backend value: ODD's entry is the test engine until the test ends.
+    monkeypatch.setitem(torchdi.runners._ENGINES, ODD, make(torchdi.runners.engine_for(torchdi.AutoFunc())))
 
 
 class WrappingEngine:

@@ -8,6 +8,11 @@ finite differences, with a prepare-once / run-many split.
 from torchdi import (
     distributed as distributed,  # td.distributed.all_reduce_ (a submodule: documented on its own page)
 )
+
+# Imported for their registrations: every engine (torchdi.runners.register_engine) and every
+# generic fallback (torchdi.runners.register_fallback), whatever a user imports first.
+from torchdi import engines as engines
+from torchdi import operators as operators
 from torchdi.backends import (
     AutoAutograd,
     AutoCompile,

@@ -22,6 +22,10 @@ from typing import Any
 
 import torchdi
 from torchdi.backends import unavailable_reason
+from torchdi.runners import engine_for
+from torchdi.testing import OPERATORS, benchmark_scenarios, default_scenarios
+from torchdi.testing.benchmark import benchmark_differentiation, format_markdown, format_table, plot
+from torchdi.testing.compare import run_differentiation_tests
 
 #: CLI name -> backend. ``compile`` is torch.compile with inductor, ``compile-aot`` with aot_eager.
 BACKENDS: dict[str, Callable[[], Any]] = {
@@ -59,8 +63,6 @@ def backend_problem(backend: Any) -> str | None:
     try:
         reason = unavailable_reason(backend)
         if reason is None:
-            from torchdi.engines import engine_for
-
             engine_for(backend)
     except ImportError as error:
         return f"its engine cannot be imported ({error})"
@@ -107,8 +109,6 @@ def select_backends(
 
 
 def select_operators(requested: Sequence[str] | None) -> list[str] | None:
-    from torchdi.testing import OPERATORS
-
     names = _split(requested)
     if not names:
         return None
@@ -161,14 +161,6 @@ def bench_skip(quick: bool) -> Callable[[str, Any, Any], str | None]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from torchdi.testing import benchmark_scenarios
-    from torchdi.testing.benchmark import (
-        benchmark_differentiation,
-        format_markdown,
-        format_table,
-        plot,
-    )
-
     if args.suite != "differentiation":
         module = args.suite.replace("-", "_")
         main = _benchmark_main(module)
@@ -241,9 +233,6 @@ def check_tolerances(label: str) -> dict[str, tuple[float | None, float | None]]
 
 def run_check(args: argparse.Namespace) -> int:
     import torch
-
-    from torchdi.testing import OPERATORS, default_scenarios
-    from torchdi.testing.compare import run_differentiation_tests
 
     backends, notes = select_backends(args.backends, COMBINATIONS)
     operators = select_operators(args.operators)

@@ -5,10 +5,16 @@ A backend says *how* to differentiate; the code that does it lives in ``torchdi/
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
+
+from torchdi.errors import BackendUnavailableError
+from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
 
 __all__ = [
     "AutoAutograd",
@@ -195,8 +201,6 @@ class AutoSparse:
     coloring: Any = field(default_factory=lambda: _default_coloring())
 
     def __post_init__(self) -> None:
-        from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
-
         if not isinstance(self.dense, _BACKEND_TYPES) or isinstance(self.dense, AutoSparse):
             raise TypeError(f"AutoSparse: dense must be a dense torchdi backend such as AutoFunc() or AutoCompile(), got {self.dense!r}")
         if not isinstance(self.sparsity, (TracerSparsity, DenseSparsity, KnownSparsity)):
@@ -260,14 +264,10 @@ class DataParallel:
 
 
 def _default_sparsity() -> Any:
-    from torchdi.sparsity import TracerSparsity
-
     return TracerSparsity()
 
 
 def _default_coloring() -> Any:
-    from torchdi.sparsity import GreedyColoring
-
     return GreedyColoring()
 
 
@@ -301,8 +301,6 @@ def unavailable_reason(backend: Backend) -> str | None:
     if isinstance(backend, AutoXLA):
         if importlib.util.find_spec("torch_xla") is None:
             return "AutoXLA needs the 'torch_xla' package (pip install torchdi[xla]; torch-xla pins its torch version)"
-        from torchdi.engines.xla import xla_device_problem
-
         return xla_device_problem(backend)
     return None
 
@@ -311,6 +309,40 @@ def require_available(backend: Backend) -> None:
     """Raise ``BackendUnavailableError`` naming what is missing when ``backend`` cannot run."""
     reason = unavailable_reason(backend)
     if reason is not None:
-        from torchdi.errors import BackendUnavailableError
-
         raise BackendUnavailableError(reason)
+
+
+@functools.cache
+def _probe(device: Any) -> str | None:
+    try:
+        import torch_xla
+    except Exception as error:  # ImportError, or undefined symbols on a torch version mismatch
+        return f"AutoXLA: 'import torch_xla' failed ({type(error).__name__}: {error}); torch-xla pins its torch version"
+    try:
+        target = torch_xla.device() if device is None else torch.device(device)
+        torch.zeros(1, device=target).add_(1).cpu()
+    except Exception as error:  # no libtpu, no PJRT plugin, ...
+        return (
+            f"AutoXLA: no XLA device is usable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "set PJRT_DEVICE=TPU on a TPU host, or PJRT_DEVICE=CPU for torch-xla's CPU client"
+        )
+    try:
+        probe = torch.zeros(1, device=target, requires_grad=True)
+        (probe * 2).sum().backward()
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        # PyTorch's autograd engine sizes its per-device queues at its first backward pass.
+        return (
+            "AutoXLA: this process ran a backward pass before the XLA device existed, and PyTorch's "
+            "autograd engine cannot learn about new devices afterwards. Call "
+            "torchdi.check_available(torchdi.AutoXLA()) (or torch_xla.device()) before any other "
+            "differentiation in the process."
+        )
+    return None
+
+
+def xla_device_problem(backend: AutoXLA) -> str | None:
+    """Why ``backend``'s XLA device cannot be used here, or ``None`` (the probe runs once)."""
+    return _probe(None if backend.device is None else str(backend.device))
+

@@ -36,10 +36,20 @@ import torch.autograd.forward_ad as fwAD
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import _BACKEND_TYPES, Backend, require_available
+from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.errors import UnsupportedOperatorError
+from torchdi.operators import (
+    hvp,
+    prepare_hvp,
+    prepare_pullback,
+    prepare_pushforward,
+    pullback,
+    pushforward,
+)
+from torchdi.operators._checks import check_backend
 from torchdi.prep import Prep, describe, describe_contexts
+from torchdi.runners import engine_for
 
 __all__ = ["DifferentiateWith"]
 
@@ -86,11 +96,7 @@ class DifferentiateWith:
     def __init__(self, f: Callable[..., Any], backend: Backend) -> None:
         if not callable(f):
             raise TypeError(f"DifferentiateWith: f must be callable, got {type(f).__name__}")
-        if not isinstance(backend, _BACKEND_TYPES):
-            raise TypeError(
-                "DifferentiateWith: backend must be a torchdi backend such as torchdi.AutoFiniteDiff() "
-                f"or torchdi.AutoCompile(), got {type(backend).__name__}"
-            )
+        check_backend(backend, "DifferentiateWith", "torchdi.AutoFiniteDiff() or torchdi.AutoCompile()")
         require_available(backend)
         hidden = _trainable_state_of(f)
         if hidden:
@@ -101,8 +107,6 @@ class DifferentiateWith:
                 "with torch.func.functional_call); to silence this, freeze them (requires_grad_(False)).",
                 stacklevel=2,
             )
-        from torchdi.engines import engine_for
-
         self.f = f
         self.backend = backend
         self._keeps_static = engine_for(backend).keeps_static
@@ -153,8 +157,6 @@ class DifferentiateWith:
     # The backend's operators, each through a cached preparation.
 
     def _prepared(self, family: str, f: Callable[..., Any], x: Any, tangents: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> Prep:
-        from torchdi import operators
-
         values = tuple(c.value for c in contexts)
         key = (
             describe(x, self._keeps_static),
@@ -166,7 +168,7 @@ class DifferentiateWith:
         if prep is not None:
             cache.move_to_end(key)
             return prep
-        prepare = getattr(operators, f"prepare_{family}")
+        prepare = _PREPARE[family]
         prep = prepare(f, self.backend, x, tangents, *contexts, strict=False)  # the key is the check
         self.num_preparations += 1
         cache[key] = prep
@@ -175,23 +177,24 @@ class DifferentiateWith:
         return prep
 
     def _pullback(self, x: Any, ty: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-        from torchdi.operators import pullback
-
         prep = self._prepared("pullback", self.f, x, ty, contexts)
         return pullback(self.f, self.backend, x, ty, *contexts, prep=prep)
 
     def _pushforward(self, x: Any, tx: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-        from torchdi.operators import pushforward
-
         prep = self._prepared("pushforward", self.f, x, tx, contexts)
         return pushforward(self.f, self.backend, x, tx, *contexts, prep=prep)
 
     def _hvp(self, x: Any, u: Any, tx: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-        from torchdi.operators import hvp
-
         all_contexts = (Constant(u), *contexts)
         prep = self._prepared("hvp", self._contracted, x, tx, all_contexts)
         return hvp(self._contracted, self.backend, x, tx, *all_contexts, prep=prep)
+
+
+_PREPARE: dict[str, Callable[..., Prep]] = {
+    "pullback": prepare_pullback,
+    "pushforward": prepare_pushforward,
+    "hvp": prepare_hvp,
+}
 
 
 def _trainable_state_of(f: Callable[..., Any]) -> list[str]:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi.runners import Publishes, checked_entry, num_compilations, runner_path
 from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
@@ -176,9 +177,6 @@ class Prep:
         "call",
         "f",
         "keep_static",
-        "lean_call",
-        "lean_factory",
-        "lean_runner",
         "operator",
         "output_shape",
         "runner",
@@ -196,7 +194,6 @@ class Prep:
         strict: bool,
         keep_static: bool,
         output_shape: torch.Size | None,
-        lean_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.operator = operator
         self.f = f
@@ -204,11 +201,9 @@ class Prep:
         self._expected = expected
         self._names = names
         self.runner = runner
+        # One runner serves the plain operator and its value_ variant (rule 2: nothing compiles
+        # after preparation; the plain operator drops the value).
         self.call = _entry(runner, strict)
-        # The plain operator's own runner (one that skips the value), built on its first use.
-        self.lean_factory = lean_factory
-        self.lean_runner: Callable[..., Any] | None = None
-        self.lean_call: Callable[..., Any] | None = None
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape
@@ -216,34 +211,25 @@ class Prep:
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
         try:
-            published = object.__getattribute__(self, "runner").published
-        except AttributeError:
-            published = {}
+            runner = object.__getattribute__(self, "runner")
+        except AttributeError:  # during unpickling or before __init__
+            runner = None
+        published = runner.published if isinstance(runner, Publishes) else {}
         if name in published:
             return published[name]
         raise AttributeError(f"'Prep' object has no attribute {name!r}")
 
-    def plain_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Callable[..., Any]:
-        """What the plain operator (no value) runs: its own variant when the engine has one,
-        prepared on the first call that needs it (and counted in ``num_compilations``)."""
-        if self.lean_factory is None:
-            return self.call
-        if self.lean_call is None:
-            self.lean_runner = self.lean_factory(x, tangents, contexts)
-            self.lean_call = _entry(self.lean_runner, self.strict)
-        return self.lean_call
-
     @property
     def num_compilations(self) -> int:
-        return sum(int(getattr(r, "num_compilations", 0)) for r in (self.runner, self.lean_runner) if r is not None)
+        return num_compilations(self.runner)
 
     def __repr__(self) -> str:
         # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
-        paths = [getattr(r, "path", None) for r in (self.runner, self.lean_runner) if r is not None]
-        path = "".join(f", path={p!r}" for p in dict.fromkeys(paths) if p is not None)
+        path = runner_path(self.runner)
+        shown = "" if path is None else f", path={path!r}"
         return (
             f"Prep(operator={self.operator!r}, backend={self.backend!r}, strict={self.strict}, "
-            f"num_compilations={self.num_compilations}{path})"
+            f"num_compilations={self.num_compilations}{shown})"
         )
 
     def serves(self, operator: str, f: Callable[..., Any], backend: Any, received: tuple[Any, ...]) -> bool:
@@ -309,7 +295,7 @@ class Prep:
 
 def _entry(runner: Callable[..., Any], strict: bool) -> Callable[..., Any]:
     """What a call runs: a strict-checked call may take the runner's faster path, if it has one."""
-    return getattr(runner, "checked_call", runner) if strict else runner
+    return checked_entry(runner) if strict else runner
 
 
 def _hint(expected: Any, received: Any) -> str:

@@ -7,44 +7,56 @@ version). ``tangents`` are batched: one pytree shaped like ``x`` (or ``y``) with
 dimension, one entry per tangent. The full result of each family holds everything the
 ``value_and_*`` variant returns; the plain operator drops the value.
 
-Engines import this module, never ``torchdi.operators`` (which registers its generic fallbacks
-in ``FALLBACKS`` when the package is imported): no import cycles.
+This module also holds the typed protocols (``Engine``, the optional parts of a runner) and
+the two registries: engines (``register_engine``, called by each module of ``torchdi/engines/``)
+and generic fallbacks (``register_fallback``, called by each module of ``torchdi/operators/``).
+Engines and operators import this module, never each other: an engine that needs another
+backend's runner calls ``build_runner``. ``torchdi/__init__.py`` imports both packages, so the
+registries are full whatever a user imports first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import (
-    AutoAutograd,
-    AutoCompile,
-    AutoFiniteDiff,
-    AutoFunc,
-    AutoXLA,
-    Backend,
-    SecondOrder,
-)
-from torchdi.errors import UnsupportedOperatorError
+from torchdi.backends import _BACKEND_TYPES, Backend
+from torchdi.families import FAMILIES
 
 __all__ = [
     "FALLBACKS",
     "BoundFunction",
+    "CountsCompilations",
+    "Engine",
+    "HasCheckedCall",
+    "HasPath",
+    "Publishes",
     "Runner",
+    "RunnerFunction",
     "Spec",
+    "ServesEmpty",
+    "TranslatesContexts",
     "TreeMeta",
+    "WarmsUp",
     "build_runner",
-    "jacobian_uses_forward",
-    "outer_inner",
+    "checked_entry",
+    "engine_for",
+    "num_compilations",
+    "register_engine",
+    "register_fallback",
     "replace_spec",
+    "runner_path",
     "unbatch",
+    "warm_up",
     "zero_runner",
 ]
 
+# A runner: ``runner(x, batched_tangents, context_values) -> full result`` (a closure, or an
+# object with some of the optional parts below).
 Runner = Callable[[Any, Any, tuple[Any, ...]], tuple[Any, ...]]
 BoundFunction = Callable[[Any, tuple[Any, ...]], Any]
 
@@ -99,87 +111,194 @@ class Spec:
     state_contexts: tuple[int, ...] = ()
 
 
-def outer_inner(backend: Backend) -> tuple[Backend, Backend]:
-    """The (outer, inner) pair of a second-order computation; a plain backend plays both roles.
+# --------------------------------------------------------------------------------------------
+# The runner protocol
 
-    Raises ``UnsupportedOperatorError`` for pairs PyTorch cannot compose: ``torch.func``
-    transforms cannot differentiate through ``torch.autograd.grad``.
+
+class RunnerFunction(Protocol):
+    """What every runner is: ``runner(x, batched_tangents, context_values) -> full result``."""
+
+    def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> tuple[Any, ...]: ...
+
+
+# The optional parts of a runner, each a protocol of its own (a plain closure is a runner with
+# none of them). Read them with isinstance, never with getattr: a typo is then a type error.
+
+
+@runtime_checkable
+class WarmsUp(Protocol):
+    """A runner with work to do once, at preparation, on the preparation's arguments
+    (compiling a program, detecting a sparsity pattern)."""
+
+    def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> None: ...
+
+
+@runtime_checkable
+class HasCheckedCall(Protocol):
+    """A runner with a faster entry for calls whose strict check has passed (the compiled
+    engines then skip their own guards)."""
+
+    def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> tuple[Any, ...]: ...
+
+
+@runtime_checkable
+class CountsCompilations(Protocol):
+    """A runner that compiles: ``num_compilations`` is what ``Prep.num_compilations`` sums."""
+
+    @property
+    def num_compilations(self) -> int: ...
+
+
+@runtime_checkable
+class Publishes(Protocol):
+    """A runner whose preparation has facts to show as ``Prep`` attributes (``AutoSparse``:
+    ``sparsity_pattern``, ``ncolors``, ...)."""
+
+    @property
+    def published(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class HasPath(Protocol):
+    """A runner with more than one way to run (``AutoXLA``: traced once, or its lazy fallback)."""
+
+    @property
+    def path(self) -> str | None: ...
+
+
+def warm_up(runner: Runner, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
+    """Run ``runner``'s preparation-time work, if it has any."""
+    if isinstance(runner, WarmsUp):
+        runner.warm_up(x, tangents, contexts)
+
+
+def num_compilations(runner: Runner | None) -> int:
+    """How many programs ``runner`` compiled (0 for runners that do not compile)."""
+    return int(runner.num_compilations) if isinstance(runner, CountsCompilations) else 0
+
+
+def runner_path(runner: Runner | None) -> str | None:
+    """Which way ``runner`` runs, for engines with more than one (``HasPath``), else ``None``."""
+    return runner.path if isinstance(runner, HasPath) else None
+
+
+def checked_entry(runner: Runner) -> Runner:
+    """What a call whose strict check has passed runs."""
+    return runner.checked_call if isinstance(runner, HasCheckedCall) else runner
+
+
+# --------------------------------------------------------------------------------------------
+# Engines and their registry
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What ``torchdi.operators`` asks of a backend's engine.
+
+    Attributes:
+        native: the operator families the engine builds itself; the others come from the
+            generic fallbacks (which use this set to pick forward or reverse mode).
+        keeps_static: whether static leaves (ints, strings, objects) are baked into what the
+            engine builds, so that the strict check must compare their values.
     """
-    if not isinstance(backend, SecondOrder):
-        return backend, backend
-    outer, inner = backend.outer, backend.inner
-    if isinstance(inner, (AutoCompile, AutoXLA)) and not isinstance(outer, (AutoCompile, AutoXLA, AutoFiniteDiff)):
-        raise UnsupportedOperatorError(
-            f"{backend!r}: eager {type(outer).__name__} cannot differentiate a compiled inner backend "
-            "(torch.compile's graphs support neither double backward nor torch.func transforms from eager code). "
-            "Backends that can: AutoCompile() (forward over reverse of torch.func, compiled as one program), "
-            "SecondOrder(AutoCompile(), AutoFunc()), SecondOrder(AutoFiniteDiff(), AutoCompile())"
-        )
-    if _base(outer) is AutoFunc and _base(inner) is AutoAutograd:
-        raise UnsupportedOperatorError(
-            f"{backend!r}: torch.func transforms cannot differentiate torch.autograd.grad calls. "
-            "Backends that can: SecondOrder(AutoFunc(), AutoFunc()), SecondOrder(AutoAutograd(), AutoAutograd()), "
-            "SecondOrder(AutoAutograd(), AutoFunc()), SecondOrder(AutoFiniteDiff(), <any>)"
-        )
-    if _base(inner) is AutoFiniteDiff and _base(outer) is not AutoFiniteDiff:
-        raise UnsupportedOperatorError(
-            f"{backend!r}: finite differences of the inner backend are not differentiable by an AD outer backend. "
-            "Backends that can: SecondOrder(AutoFiniteDiff(), AutoFiniteDiff()), SecondOrder(AutoFiniteDiff(), AutoFunc()), "
-            "SecondOrder(AutoFunc(), AutoFunc()), AutoAutograd()"
-        )
-    return outer, inner
+
+    @property
+    def native(self) -> frozenset[str]: ...
+
+    @property
+    def keeps_static(self) -> bool: ...
+
+    def build(self, family: str, f: BoundFunction, spec: Spec) -> Runner | None:
+        """A runner ``(x, batched_tangents, context_values) -> full result``, or ``None`` to let
+        the generic fallback of ``family`` build it from other runners."""
+        ...
 
 
-def _base(backend: Backend) -> type:
-    """The eager backend type a (possibly compiled) backend runs."""
-    while isinstance(backend, (AutoCompile, AutoXLA)):
-        backend = backend.inner
-    return type(backend)
+@runtime_checkable
+class ServesEmpty(Protocol):
+    """An engine whose runners of ``builds_empty`` also serve an empty ``x`` or ``f(x)`` (its own
+    result layout and prep attributes), instead of the generic zero map."""
+
+    @property
+    def builds_empty(self) -> frozenset[str]: ...
 
 
-# Families that AutoAutograd computes by double backward (forward mode included).
-_DOUBLE_BACKWARD = frozenset({"pushforward", "hvp", "hessian", "second_derivative"})
+@runtime_checkable
+class TranslatesContexts(Protocol):
+    """An engine whose program sees context values translated (``to_device_tensor``): ``f``
+    sees the same at preparation."""
+
+    def contexts_seen_by_f(self, values: tuple[Any, ...], /) -> tuple[Any, ...]: ...
 
 
-def jacobian_uses_forward(native: frozenset[str], spec: Spec) -> bool:
-    """Whether the generic jacobian takes columns (pushforwards) rather than rows (pullbacks).
+_ENGINE_TYPES: dict[type, Callable[[Any], Engine]] = {}
+# Engines cached per backend (backends are frozen, hashable dataclasses): a SecondOrder or
+# AutoSparse engine builds its parts' engines once. Bounded: backends built in a loop must not
+# pile up.
+_ENGINES: dict[Backend, Engine] = {}
+_ENGINE_CACHE_SIZE = 256
 
-    Forward mode when the engine has no native reverse mode, when it has both and the input is
-    smaller than the output, and always for complex ``x`` or ``y``: a column is the derivative
-    along a real basis direction, which every backend computes alike (see the README's complex
-    convention), while a reverse-mode row is its conjugate only for holomorphic ``f``.
+
+def register_engine(backend_type: type, engine_type: Callable[[Any], Engine]) -> None:
+    """Make ``engine_type(backend)`` the engine of every backend of ``backend_type``.
+
+    Each module of ``torchdi/engines/`` registers its engine when imported;
+    ``torchdi/engines/__init__.py`` imports them all.
     """
-    complex_ = any(d.is_complex for d in (*spec.x.dtypes, *spec.y.dtypes))
-    return "pullback" not in native or ("pushforward" in native and (spec.x.numel < spec.y.numel or complex_))
+    _ENGINE_TYPES[backend_type] = engine_type
+    _ENGINES.clear()
 
 
-def _refuse_compiled_double_backward(backend: Backend, family: str, spec: Spec) -> None:
-    """``AutoCompile(inner=AutoAutograd())`` cannot run what needs double backward: AOTAutograd
-    does not support it, and torch raises from inside the compiled graph at preparation."""
-    if not (isinstance(backend, AutoCompile) and _base(backend) is AutoAutograd):
-        return
-    from torchdi.engines.autograd import AutogradEngine
-
-    if family in _DOUBLE_BACKWARD or (family == "jacobian" and jacobian_uses_forward(AutogradEngine.native, spec)):
-        raise UnsupportedOperatorError(
-            f"{backend!r}: {family} needs double backward (or forward mode built on it), which torch.compile's "
-            "AOTAutograd does not support. Backends that can: AutoCompile() (inner=AutoFunc(), the default), "
-            "AutoAutograd(), SecondOrder(AutoFiniteDiff(), AutoCompile(inner=AutoAutograd(), fullgraph=False))"
+def engine_for(backend: Backend) -> Engine:
+    """The engine that runs ``backend``."""
+    try:
+        engine = _ENGINES.get(backend)
+    except TypeError:  # an unhashable value inside the backend (a user's options dict...)
+        engine = None
+        hashable = False
+    else:
+        hashable = True
+    if engine is not None:
+        return engine
+    make = _ENGINE_TYPES.get(type(backend))
+    if make is None:
+        if not isinstance(backend, _BACKEND_TYPES):
+            raise TypeError(f"not a torchdi backend: {backend!r}")
+        raise RuntimeError(
+            f"no engine registered for {type(backend).__name__}: import torchdi (torchdi.engines registers them all)"
         )
+    engine = make(backend)
+    if hashable:
+        if len(_ENGINES) >= _ENGINE_CACHE_SIZE:
+            _ENGINES.clear()
+        _ENGINES[backend] = engine
+    return engine
 
 
-# family -> generic builder(backend, f, spec); filled by the operator modules.
+# family -> generic builder(backend, f, spec); filled by the operator modules at import
+# (torchdi/operators/__init__.py imports them all, and torchdi/__init__.py imports it).
 FALLBACKS: dict[str, Callable[[Backend, BoundFunction, Spec], Runner]] = {}
+
+
+def register_fallback(family: str, builder: Callable[[Backend, BoundFunction, Spec], Runner]) -> None:
+    """Make ``builder(backend, f, spec)`` the generic runner of ``family`` for engines that do
+    not build it natively."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown operator family {family!r}; valid families: {', '.join(FAMILIES)}")
+    FALLBACKS[family] = builder
 
 
 def build_runner(backend: Backend, family: str, f: BoundFunction, spec: Spec) -> Runner:
     """The runner of ``family`` for ``backend``: the engine's native one, else the generic fallback."""
-    from torchdi.engines import engine_for
-
-    _refuse_compiled_double_backward(backend, family, spec)
     runner = engine_for(backend).build(family, f, spec)
     if runner is None:
-        runner = FALLBACKS[family](backend, f, spec)
+        try:
+            fallback = FALLBACKS[family]
+        except KeyError:
+            raise RuntimeError(
+                f"no generic {family} runner registered: import torchdi (torchdi.operators registers them all)"
+            ) from None
+        runner = fallback(backend, f, spec)
     return runner
 
 

@@ -210,6 +210,13 @@ def copyto_(dst: Any, src: Any) -> Any:
             if d.layout == torch.sparse_csr:
                 _copy_csr_values(d, s, i)
                 continue
+            if s.layout != torch.strided:  # torch's own copy_ error names neither out= nor the remedy
+                raise ValueError(
+                    f"copyto_: leaf {i} of the source is a sparse {s.layout} tensor (an AutoSparse result) but "
+                    f"the destination is {d.layout}: out= for a sparse result must be the CSR tensor a previous "
+                    "call of the same preparation returned (out = jacobian(..., prep=prep); later "
+                    "jacobian(..., prep=prep, out=out)); for a dense matrix, call .to_dense() on the result"
+                )
             d.copy_(s)
         elif d is not s and d != s:
             raise ValueError(

@@ -128,9 +128,11 @@ def test_twenty_calls_with_new_values_add_no_compilation(reuse_buffers):
 def test_device_buffers_are_reused_and_results_fresh():
     contexts = (td.Constant(0.5), td.Constant(point(50)), td.Cache(torch.empty(6)))
     prep = td.prepare_gradient(with_contexts, XLA, point(0), *contexts)
-    for i in range(3):  # settle (the first plain gradient compiles its variant without the value)
+    compiled = prep.num_compilations
+    for i in range(3):  # the plain gradient runs the prepared program: nothing compiles (rule 2)
         td.gradient(with_contexts, XLA, point(i), *contexts, prep=prep)
-    buffers = [b for b in prep.lean_runner.buffers if b is not None]  # gradient runs the graph without the value
+    assert prep.num_compilations == compiled
+    buffers = [b for b in prep.runner.buffers if b is not None]
     assert len(buffers) == 4  # x, the float (as a shape-(1,) buffer), the tensor constant, the cache template
     ids = [id(b) for b in buffers]
     gc.collect()
@@ -144,7 +146,7 @@ def test_device_buffers_are_reused_and_results_fresh():
             assert not torch.equal(got, previous)  # never stale
         previous = got
     gc.collect()
-    assert [id(b) for b in prep.lean_runner.buffers if b is not None] == ids
+    assert [id(b) for b in prep.runner.buffers if b is not None] == ids
     assert live_xla_tensors() <= live
 
 
@@ -238,3 +240,40 @@ def test_backward_before_the_device_exists_gives_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True)
     assert "before the XLA device existed" in done.stdout
     assert "check_available" in done.stdout
+
+
+def _rule_2_vector(x):
+    return x[1:] * x[:-1] + x[1:].sin()
+
+
+def _rule_2_scalar(x):
+    return (_rule_2_vector(x) ** 2).sum()
+
+
+RULE_2_CASES = {
+    "pushforward": (_rule_2_vector, lambda s: point(s), lambda x: (torch.ones_like(x),)),
+    "pullback": (_rule_2_vector, lambda s: point(s), lambda x: (torch.ones(5),)),
+    "derivative": (lambda x: x.sin() * x, lambda s: point(s, ()), None),
+    "gradient": (_rule_2_scalar, lambda s: point(s), None),
+    "jacobian": (_rule_2_vector, lambda s: point(s), None),
+    "second_derivative": (lambda x: x.sin() * x, lambda s: point(s, ()), None),
+    "hvp": (_rule_2_scalar, lambda s: point(s), lambda x: (torch.ones_like(x),)),
+    "hessian": (_rule_2_scalar, lambda s: point(s), None),
+}
+
+
+@pytest.mark.parametrize("family", sorted(RULE_2_CASES))
+def test_rule_2_plain_and_value_variants_compile_nothing_after_preparation(family):
+    from torchdi.families import FAMILIES
+
+    row = FAMILIES[family]
+    f, make_x, make_tangents = RULE_2_CASES[family]
+    x0 = make_x(0)
+    head0 = (x0,) if make_tangents is None else (x0, make_tangents(x0))
+    prep = getattr(td, f"prepare_{family}")(f, XLA, *head0)
+    compiled = prep.num_compilations
+    for seed, name in enumerate((row.operator, row.value_operator), start=1):
+        x = make_x(seed)
+        head = (x,) if make_tangents is None else (x, make_tangents(x))
+        close(getattr(td, name)(f, XLA, *head, prep=prep), getattr(td, name)(f, REFERENCE, *head))
+        assert prep.num_compilations == compiled, name

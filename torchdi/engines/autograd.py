@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd
 from torchdi.engines.base import like_primal
+from torchdi.runners import register_engine
 
 __all__ = ["AutogradEngine"]
 
@@ -196,3 +197,6 @@ def _jvp_by_double_vjp(y: torch.Tensor, x: torch.Tensor, create_graph: bool) -> 
         return torch.zeros_like(y)
     (jvp,) = torch.autograd.grad(vjp, u, torch.ones_like(x), create_graph=create_graph, allow_unused=True, materialize_grads=True)
     return jvp
+
+
+register_engine(AutoAutograd, AutogradEngine)

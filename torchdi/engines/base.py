@@ -1,39 +1,16 @@
-"""The engine interface shared by all backends."""
+"""What the engines share (the ``Engine`` protocol itself lives in ``torchdi.runners``)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 from torch.utils import _pytree as pytree
 
-__all__ = ["ALL_FAMILIES", "Engine", "like_primal"]
-
 # Every operator family; engines that wrap another backend's runners (compile, xla) build them all.
-ALL_FAMILIES = frozenset(
-    {"pullback", "pushforward", "gradient", "jacobian", "hvp", "hessian", "derivative", "second_derivative"}
-)
+from torchdi.families import ALL_FAMILIES
+from torchdi.runners import Engine
 
-
-class Engine(Protocol):
-    """What ``torchdi.operators`` asks of a backend's engine.
-
-    Attributes:
-        native: the operator families the engine builds itself; the others come from the
-            generic fallbacks (which use this set to pick forward or reverse mode).
-        keeps_static: whether static leaves (ints, strings, objects) are baked into what the
-            engine builds, so that the strict check must compare their values.
-    """
-
-    native: ClassVar[frozenset[str]]
-
-    @property
-    def keeps_static(self) -> bool:
-        """Whether static leaves are baked into what the engine builds."""
-        ...
-
-    def build(self, family: str, f: Any, spec: Any) -> Any:
-        """A runner ``(x, batched_tangents, context_values) -> full result``, or ``None``."""
-        ...
+__all__ = ["ALL_FAMILIES", "Engine", "like_primal"]
 
 
 def like_primal(tangent: Any, primal: Any) -> Any:

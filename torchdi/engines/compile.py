@@ -31,9 +31,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
+from torchdi.composition import refuse_compiled_double_backward
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
-from torchdi.runners import build_runner
+from torchdi.runners import build_runner, register_engine
 from torchdi.translate import copyto_, to_device_tensor
 
 __all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
@@ -365,6 +366,7 @@ class CompileEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
+        refuse_compiled_double_backward(self.backend, family, spec)
         inner = build_runner(self.backend.inner, family, f, spec)
         return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
 
@@ -372,3 +374,6 @@ class CompileEngine:
     def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
         """What ``f`` receives as contexts inside the compiled program (for preparation's own call)."""
         return traced_view(values)
+
+
+register_engine(AutoCompile, CompileEngine)

@@ -15,10 +15,9 @@ from typing import Any, ClassVar
 
 from torchdi.backends import AutoCompile, DataParallel
 from torchdi.distributed import Layout, reduced_gradient, require_process_group, running_gathered
-from torchdi.engines import engine_for
 from torchdi.engines.compile import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
-from torchdi.runners import Spec, build_runner
+from torchdi.runners import Spec, build_runner, engine_for, register_engine
 
 __all__ = ["DataParallelEngine", "DataParallelRunner"]
 
@@ -87,3 +86,6 @@ class DataParallelEngine:
             )
         require_process_group(repr(self.backend))
         return DataParallelRunner(self.backend, f, spec)
+
+
+register_engine(DataParallel, DataParallelEngine)

@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFiniteDiff
+from torchdi.runners import FALLBACKS, register_engine
 
 __all__ = ["FiniteDiffEngine"]
 
@@ -53,8 +54,6 @@ class FiniteDiffEngine:
             # Differences of differences: each level's rounding error is divided by the other
             # level's step, so both levels need the second-order step (with the first-order one,
             # forward-over-forward differences have an O(1) error).
-            from torchdi.runners import FALLBACKS
-
             dtype = max(spec.x.dtypes, key=lambda d: torch.finfo(d).eps)
             nested = AutoFiniteDiff(self.method, self._relative_step(dtype, order=2))
             return FALLBACKS[family](nested, f, spec)
@@ -110,3 +109,6 @@ class FiniteDiffEngine:
             return y, dy[0], (a - 2 * b + c) / (h * h)
 
         return run
+
+
+register_engine(AutoFiniteDiff, FiniteDiffEngine)

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoFunc
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
+from torchdi.runners import register_engine
 
 __all__ = ["FuncEngine"]
 
@@ -197,3 +198,6 @@ class FuncEngine:
             return y.reshape(y_shape), g, hess
 
         return run
+
+
+register_engine(AutoFunc, FuncEngine)

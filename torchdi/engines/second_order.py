@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torchdi.backends import SecondOrder
+from torchdi.families import FIRST_ORDER
+from torchdi.runners import build_runner, engine_for, register_engine
 
 __all__ = ["SecondOrderEngine"]
-
-FIRST_ORDER = frozenset({"pushforward", "pullback", "derivative", "gradient", "jacobian"})
 
 
 class SecondOrderEngine:
@@ -18,15 +18,14 @@ class SecondOrderEngine:
     native: ClassVar[frozenset[str]] = FIRST_ORDER
 
     def __init__(self, backend: SecondOrder) -> None:
-        from torchdi.engines import engine_for
-
         self.backend = backend
         # A compiled outer or inner bakes static leaves in, so the strict check must see them.
         self.keeps_static = engine_for(backend.outer).keeps_static or engine_for(backend.inner).keeps_static
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         if family in FIRST_ORDER:
-            from torchdi.runners import build_runner
-
             return build_runner(self.backend.inner, family, f, spec)
         return None
+
+
+register_engine(SecondOrder, SecondOrderEngine)

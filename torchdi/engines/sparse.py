@@ -12,13 +12,29 @@ shared by all calls of the preparation.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from torchdi.backends import AutoAutograd, AutoSparse
-from torchdi.runners import BoundFunction, Spec, _base, build_runner, outer_inner, replace_spec
+from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA
+from torchdi.composition import base_type, outer_inner
+from torchdi.engines.sparse_check import rows_missing_nonzeros
+from torchdi.errors import user_stacklevel
+from torchdi.families import FAMILIES, MATRIX_FAMILIES
+from torchdi.runners import (
+    BoundFunction,
+    Spec,
+    build_runner,
+    checked_entry,
+    engine_for,
+    num_compilations,
+    register_engine,
+    replace_spec,
+    warm_up,
+    zero_runner,
+)
 from torchdi.sparsity.coloring import (
     color_groups,
     column_coloring,
@@ -26,7 +42,7 @@ from torchdi.sparsity.coloring import (
     star_coloring,
     star_recovery,
 )
-from torchdi.sparsity.dense import DenseSparsity, dense_sparsity
+from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import trace_sparsity
@@ -38,22 +54,39 @@ class SparseEngine:
     """Builds the sparse jacobian and hessian runners; every other family is the dense backend's."""
 
     native: ClassVar[frozenset[str]] = frozenset()
+    # Families whose runner also serves an empty x or f(x) (a CSR result and its prep attributes,
+    # rather than the generic dense zero map).
+    builds_empty: ClassVar[frozenset[str]] = MATRIX_FAMILIES
 
     def __init__(self, backend: AutoSparse) -> None:
-        from torchdi.engines import engine_for
-
         self.backend = backend
         self.dense_engine = engine_for(backend.dense)
-        self.native = self.dense_engine.native | {"jacobian", "hessian"}  # type: ignore[misc]
+        self.native = self.dense_engine.native | MATRIX_FAMILIES  # type: ignore[misc]
 
     @property
     def keeps_static(self) -> bool:
         return bool(self.dense_engine.keeps_static)
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        if family in ("jacobian", "hessian"):
+        if FAMILIES[family].matrix:
             return SparseRunner(self.backend, family, f, spec, self.dense_engine.native)
         return build_runner(self.backend.dense, family, f, spec)
+
+
+def dense_sparsity(
+    detector: DenseSparsity, default: Any, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool
+) -> IndexSets:
+    """The non-zeros (above ``atol``) of the dense jacobian (``hessian``: hessian) at ``x``, flattened."""
+    backend = detector.backend
+    if backend is None:
+        backend = default
+        while isinstance(backend, (AutoCompile, AutoXLA)):
+            backend = backend.inner
+    runner = build_runner(backend, "hessian" if hessian else "jacobian", f, spec)
+    warm_up(runner, x, None, contexts)
+    matrix = runner(x, None, contexts)[-1]
+    rows = spec.x.numel if hessian else spec.y.numel
+    return IndexSets.from_dense((matrix.detach().reshape(rows, spec.x.numel).abs() > detector.atol).cpu())
 
 
 def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool) -> tuple[IndexSets, tuple[str, ...]]:
@@ -69,6 +102,20 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
     pattern = traced.pattern
     if hessian:  # symmetric by nature; the traced gradient graph may only show one side
         pattern = IndexSets.union([pattern, pattern.transpose()])
+    missing = rows_missing_nonzeros(pattern, backend.dense, f, spec, x, contexts, hessian)
+    if missing.size:
+        # A tracer defect (a wrong graph or rule): never a silently missing entry. The dense
+        # pattern is the only one that holds for every x (what one probe sees does not).
+        warnings.warn(
+            f"TracerSparsity: the traced {'hessian' if hessian else 'jacobian'} pattern misses non-zeros that "
+            f"f's own derivative shows at the preparation point (in {missing.size} rows or columns): the tracer "
+            "got an op of f wrong. Falling back to the dense pattern (every entry): results are correct, "
+            "without the sparse speed-up. Pass sparsity=KnownSparsity(pattern) or DenseSparsity() for speed, "
+            "and please report f's ops.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        pattern = IndexSets.full(m, n)
     return pattern, traced.fallbacks
 
 
@@ -99,16 +146,19 @@ class SparseRunner:
 
     @property
     def num_compilations(self) -> int:
-        return sum(int(getattr(r, "num_compilations", 0)) for r in (self.compressed, self.gradient) if r is not None)
+        return num_compilations(self.compressed) + num_compilations(self.gradient)
 
     def warm_up(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Detect, colour, and prepare the dense backend's batched runner on the colour seeds."""
         hessian = self.family == "hessian"
         start = time.perf_counter()
-        pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
-        detected = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
+        if m and n:
+            pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
+        else:  # an empty x or f(x): the empty pattern, no colour, no pass
+            pattern, fallbacks = IndexSets.empty(m, n), ()
+        detected = time.perf_counter()
         if hessian:
             colors = star_coloring(pattern, self.backend.coloring)
             recovery = star_recovery(pattern, colors)
@@ -124,7 +174,7 @@ class SparseRunner:
             rows = column_coloring(pattern.transpose(), self.backend.coloring) if reverse_ok else None
             # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
             # whose forward mode is a double backward (twice the work, and not compilable).
-            prefer_reverse = _base(self.backend.dense) is AutoAutograd
+            prefer_reverse = base_type(self.backend.dense) is AutoAutograd
             if columns is not None and (
                 rows is None
                 or columns.max(initial=-1) < rows.max(initial=-1)
@@ -152,11 +202,13 @@ class SparseRunner:
         if ncolors:
             family = {"forward": "pushforward", "reverse": "pullback", "star": "hvp"}[mode]
             self.compressed = build_runner(self.backend.dense, family, self.f, replace_spec(self.spec, n_tangents=ncolors))
-            _warm(self.compressed, x, self.seeds, contexts)
-        if hessian:
+            warm_up(self.compressed, x, self.seeds, contexts)
+        if hessian and n == 0:
+            self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
+        elif hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
-            _warm(self.gradient, x, None, contexts)
+            warm_up(self.gradient, x, None, contexts)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
             "ncolors": ncolors,
@@ -188,7 +240,7 @@ class SparseRunner:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
         def call(runner: Any, tangents: Any) -> Any:
-            return (getattr(runner, "checked_call", runner) if checked else runner)(x, tangents, contexts)
+            return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
 
         if self.family == "hessian":
             y, grad = call(self.gradient, None)
@@ -208,7 +260,4 @@ class SparseRunner:
         return self._run(x, contexts, checked=True)
 
 
-def _warm(runner: Any, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        warm_up(x, tangents, contexts)
+register_engine(AutoSparse, SparseEngine)

@@ -36,7 +36,6 @@ running it in full precision would silently ignore the user's request.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import weakref
 from typing import Any, ClassVar, cast
@@ -45,49 +44,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import AutoXLA
+from torchdi.backends import AutoFunc, AutoXLA, xla_device_problem
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
+from torchdi.runners import build_runner, register_engine
 from torchdi.translate import to_device_tensor, translate_contexts
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
 logger = logging.getLogger("torchdi")
-
-
-@functools.cache
-def _probe(device: Any) -> str | None:
-    try:
-        import torch_xla
-    except Exception as error:  # ImportError, or undefined symbols on a torch version mismatch
-        return f"AutoXLA: 'import torch_xla' failed ({type(error).__name__}: {error}); torch-xla pins its torch version"
-    try:
-        target = torch_xla.device() if device is None else torch.device(device)
-        torch.zeros(1, device=target).add_(1).cpu()
-    except Exception as error:  # no libtpu, no PJRT plugin, ...
-        return (
-            f"AutoXLA: no XLA device is usable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-            "set PJRT_DEVICE=TPU on a TPU host, or PJRT_DEVICE=CPU for torch-xla's CPU client"
-        )
-    try:
-        probe = torch.zeros(1, device=target, requires_grad=True)
-        (probe * 2).sum().backward()
-    except RuntimeError as error:
-        if "device_ready_queues_" not in str(error):
-            raise
-        # PyTorch's autograd engine sizes its per-device queues at its first backward pass.
-        return (
-            "AutoXLA: this process ran a backward pass before the XLA device existed, and PyTorch's "
-            "autograd engine cannot learn about new devices afterwards. Call "
-            "torchdi.check_available(torchdi.AutoXLA()) (or torch_xla.device()) before any other "
-            "differentiation in the process."
-        )
-    return None
-
-
-def xla_device_problem(backend: AutoXLA) -> str | None:
-    """Why ``backend``'s XLA device cannot be used here, or ``None`` (the probe runs once)."""
-    return _probe(None if backend.device is None else str(backend.device))
 
 
 def _uncached_compiles() -> int:
@@ -527,9 +492,6 @@ class XLAEngine:
         self.backend = backend
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
-        from torchdi.backends import AutoFunc
-        from torchdi.runners import build_runner
-
         inner_backend = self.backend.inner
         if family == "hessian" and type(inner_backend) is AutoFunc and inner_backend.chunk_size is None:
             inner = _hessian_from_hvps(f, spec)
@@ -564,3 +526,6 @@ def _hessian_from_hvps(f: Any, spec: Any) -> Any:
         return y.reshape(y_shape), g, hess
 
     return run
+
+
+register_engine(AutoXLA, XLAEngine)

@@ -12,11 +12,11 @@ from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
 )
 
@@ -77,4 +77,4 @@ def derivative_from_pushforward(backend: Backend, f: BoundFunction, spec: Spec) 
     return run
 
 
-FALLBACKS["derivative"] = derivative_from_pushforward
+register_fallback("derivative", derivative_from_pushforward)

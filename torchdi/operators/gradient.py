@@ -13,11 +13,11 @@ from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
 )
 
@@ -110,4 +110,4 @@ def gradient_from_pullback(backend: Backend, f: BoundFunction, spec: Spec) -> Ru
     return run
 
 
-FALLBACKS["gradient"] = gradient_from_pullback
+register_fallback("gradient", gradient_from_pullback)

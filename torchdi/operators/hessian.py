@@ -8,16 +8,16 @@ from typing import Any
 import torch
 
 from torchdi.backends import Backend
+from torchdi.composition import outer_inner
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    outer_inner,
+    register_fallback,
     replace_spec,
 )
 
@@ -68,4 +68,4 @@ def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
     return run
 
 
-FALLBACKS["hessian"] = hessian_from_hvps
+register_fallback("hessian", hessian_from_hvps)

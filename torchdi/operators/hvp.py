@@ -6,16 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 from torchdi.backends import Backend
+from torchdi.composition import outer_inner
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    outer_inner,
+    register_fallback,
     replace_spec,
     unbatch,
 )
@@ -78,4 +78,4 @@ def hvp_from_second_order(backend: Backend, f: BoundFunction, spec: Spec) -> Run
     return build_runner(outer, "pushforward", gradient_of, replace_spec(spec, y=spec.x))
 
 
-FALLBACKS["hvp"] = hvp_from_second_order
+register_fallback("hvp", hvp_from_second_order)

@@ -8,17 +8,18 @@ from typing import Any
 import torch
 
 from torchdi.backends import Backend
+from torchdi.composition import jacobian_uses_forward
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, write_out
 from torchdi.operators.pushforward import _output_basis
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
-    jacobian_uses_forward,
+    engine_for,
+    register_fallback,
     replace_spec,
 )
 
@@ -75,8 +76,6 @@ def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Run
     Forward mode is used when the engine has no native reverse mode, when it has both and the
     input is smaller than the output, and for complex ``x`` or ``y`` (``jacobian_uses_forward``).
     """
-    from torchdi.engines import engine_for
-
     native = engine_for(backend).native
     m, n = spec.y.numel, spec.x.numel
     y_shape, x_shape = tuple(spec.y.shapes[0]), tuple(spec.x.shapes[0])
@@ -98,4 +97,4 @@ def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Run
     return run_reverse
 
 
-FALLBACKS["jacobian"] = jacobian_from_batches
+register_fallback("jacobian", jacobian_from_batches)

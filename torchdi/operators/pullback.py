@@ -13,11 +13,11 @@ from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
     unbatch,
 )
@@ -110,4 +110,4 @@ def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -
     return run
 
 
-FALLBACKS["pullback"] = pullback_from_pushforwards
+register_fallback("pullback", pullback_from_pushforwards)

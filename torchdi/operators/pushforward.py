@@ -10,14 +10,15 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
+from torchdi.errors import UnsupportedOperatorError
 from torchdi.operators._core import prepare_operator, run_operator
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     build_runner,
+    register_fallback,
     replace_spec,
     unbatch,
 )
@@ -83,8 +84,6 @@ def pushforward(
 def pushforward_from_pullbacks(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
     """Generic pushforward: the Jacobian's rows from pullbacks of the output basis."""
     if not spec.y.is_tensor:
-        from torchdi.errors import UnsupportedOperatorError
-
         raise UnsupportedOperatorError(f"{backend!r} has no forward mode and f returns a pytree; use AutoFunc() or AutoAutograd()")
     pullback = build_runner(backend, "pullback", f, replace_spec(spec, n_tangents=spec.y.numel))
 
@@ -104,4 +103,4 @@ def _output_basis(spec: Spec, x: Any) -> Any:
     return torch.eye(m, dtype=spec.y.dtypes[0], device=leaf.device).reshape(m, *spec.y.shapes[0])
 
 
-FALLBACKS["pushforward"] = pushforward_from_pullbacks
+register_fallback("pushforward", pushforward_from_pullbacks)

@@ -8,17 +8,17 @@ from typing import Any
 import torch
 
 from torchdi.backends import Backend
+from torchdi.composition import outer_inner
 from torchdi.contexts import Context
 from torchdi.operators._core import prepare_operator, run_operator, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
-    FALLBACKS,
     BoundFunction,
     Runner,
     Spec,
     TreeMeta,
     build_runner,
-    outer_inner,
+    register_fallback,
     replace_spec,
 )
 
@@ -72,4 +72,4 @@ def second_derivative_from_derivatives(backend: Backend, f: BoundFunction, spec:
     return run
 
 
-FALLBACKS["second_derivative"] = second_derivative_from_derivatives
+register_fallback("second_derivative", second_derivative_from_derivatives)

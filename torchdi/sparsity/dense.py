@@ -10,12 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from torchdi.runners import BoundFunction, Spec, build_runner
-from torchdi.sparsity.index_sets import IndexSets
-
-__all__ = ["DenseSparsity", "dense_sparsity"]
+__all__ = ["DenseSparsity"]
 
 
 @dataclass(frozen=True)
@@ -36,29 +31,10 @@ class DenseSparsity:
     atol: float = 0.0
 
     def __post_init__(self) -> None:
-        from torchdi.backends import _BACKEND_TYPES
-
-        if self.backend is not None and not isinstance(self.backend, _BACKEND_TYPES):
+        # sparsity/ is the bottom floor and cannot import torchdi.backends (which imports it):
+        # a torchdi backend is recognised by its module. AutoSparse checks the class itself, and
+        # the detection (which builds the backend's runner) lives in torchdi/engines/sparse.py.
+        if self.backend is not None and type(self.backend).__module__ != "torchdi.backends":
             raise TypeError(f"DenseSparsity: backend must be None or a torchdi backend, got {self.backend!r}")
         if not isinstance(self.atol, (int, float)) or self.atol < 0:
             raise ValueError(f"DenseSparsity: atol must be a non-negative number, got {self.atol!r}")
-
-
-def dense_sparsity(
-    detector: DenseSparsity, default: Any, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool
-) -> IndexSets:
-    """The non-zeros (above ``atol``) of the dense jacobian (``hessian``: hessian) at ``x``, flattened."""
-    from torchdi.backends import AutoCompile, AutoXLA
-
-    backend = detector.backend
-    if backend is None:
-        backend = default
-        while isinstance(backend, (AutoCompile, AutoXLA)):
-            backend = backend.inner
-    runner = build_runner(backend, "hessian" if hessian else "jacobian", f, spec)
-    warm_up = getattr(runner, "warm_up", None)
-    if warm_up is not None:
-        warm_up(x, None, contexts)
-    matrix = runner(x, None, contexts)[-1]
-    rows = spec.x.numel if hessian else spec.y.numel
-    return IndexSets.from_dense((matrix.detach().reshape(rows, spec.x.numel).abs() > detector.atol).cpu())

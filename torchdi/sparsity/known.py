@@ -76,12 +76,12 @@ class KnownSparsity:
 
 def known_sparsity(detector: KnownSparsity, m: int, n: int, y_shape: tuple[int, ...], x_shape: tuple[int, ...], hessian: bool) -> IndexSets:
     """The user's pattern as an ``(m, n)`` index-set matrix, checked against the problem's shapes."""
-    accepted = [(m, n), tuple(y_shape) + tuple(x_shape)]
+    accepted = list(dict.fromkeys([(m, n), tuple(y_shape) + tuple(x_shape)]))  # one, when x and y are 1-D
     if detector.shape not in accepted:
         what = "hessian" if hessian else "jacobian"
         raise ValueError(
             f"KnownSparsity: the pattern has shape {detector.shape}, but this {what} is {m} x {n}: "
-            f"expected shape {accepted[0]} or {accepted[1]}"
+            f"expected shape {' or '.join(str(shape) for shape in accepted)}"
         )
     sets = detector.matrix(m, n)
     if hessian:  # the hessian is symmetric: an entry given on one side holds on both

@@ -1,12 +1,14 @@
 """``TracerSparsity``: a global, conservative sparsity pattern from ``f``'s aten graph.
 
-``f`` is traced once with ``make_fx`` (functionalized, so views become copies where it can)
-and the graph is interpreted on *index sets*: for every element of every tensor, the set of
-flat input indices it may depend on. The pattern holds for every value of ``x`` (global): no
-rule looks at values of ``x`` or of contexts. Values that are fixed (tensors ``f`` creates or
-closes over, and what is computed from them alone) are read: a multiplication by a fixed zero,
-a fixed banded matrix in a matmul, fixed indices in indexing and a fixed convolution kernel give
-their exact structure.
+``f`` is traced once with ``make_fx`` (functionalized: in-place writes become ``*_scatter``
+ops; views stay views, because removing them loses the storage offsets that autograd's backward
+of a write into a slice reads through ``as_strided``) and the graph is interpreted on *index
+sets*: for every element of every tensor, the set of flat input indices it may depend on. The
+pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
+contexts (floats and numpy values are traced as tensors, as compiled backends trace them).
+Values that are fixed (tensors ``f`` creates or closes over, and what is computed from them
+alone) are read: a multiplication by a fixed zero, a fixed banded matrix in a matmul, fixed
+indices in indexing and a fixed convolution kernel give their exact structure.
 
 Rules (the op's first matching rule applies):
 
@@ -35,6 +37,7 @@ Writes into views (in-place ops left by decompositions) update the sets of the v
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.sparsity.index_sets import IndexSets
+from torchdi.translate import to_device_tensor
 
 __all__ = ["TracerResult", "TracerSparsity", "trace_sparsity"]
 
@@ -88,7 +92,51 @@ def trace_sparsity(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = pytree.tree_flatten(contexts)
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # Context values are never read, only their shapes: a Constant may change between calls.
+    # Floats and numpy values (what compiled backends trace, ``to_device_tensor``) are traced as
+    # tensors, as tensors are; a module's parameters and buffers are marked as varying.
+    converted = {i: to_device_tensor(leaf, None) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+    converted = {i: t for i, t in converted.items() if isinstance(t, torch.Tensor)}
+    varying = {
+        t.untyped_storage().data_ptr()
+        for leaf in leaves
+        if isinstance(leaf, torch.nn.Module)
+        for t in [*leaf.parameters(), *leaf.buffers()]
+    }
+    x = x.detach().clone()
+    error: Exception | None = None
+    with torch.enable_grad() if hessian else torch.no_grad():
+        for as_tensors in (True, False) if converted else (True,):
+            slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or (as_tensors and i in converted)]
+            # Own copies: the interpreter replays writes (a Cache written by f) on them.
+            tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
+            try:
+                with warnings.catch_warnings():
+                    # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
+                    warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+                    traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
+                    graph = make_fx(traceable, tracing_mode="real")(x, *tensors)
+            except Exception as failure:
+                error = error or failure
+                continue
+            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
+            # numpy methods): any tensor f creates may hold them, so none is read.
+            interpreter = _Interpreter(graph, x.numel(), read_created=as_tensors, varying=varying)
+            return interpreter.run(x, tensors)
+    assert error is not None
+    raise RuntimeError(
+        "TracerSparsity: cannot trace f into an aten graph: "
+        f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}\n"
+        "Data-dependent Python control flow (if on a tensor value, .item(), .tolist()) cannot be "
+        "traced for a global pattern. Use DenseSparsity() (a local pattern at the preparation point) "
+        "or KnownSparsity(pattern)."
+    ) from error
+
+
+def _traceable(
+    f: Callable[[Any, tuple[Any, ...]], Any], leaves: list[Any], spec: Any, slots: list[int], hessian: bool
+) -> Callable[..., torch.Tensor]:
+    """``f`` as a function of ``x`` and the context leaves at ``slots`` (the others stay as given)."""
 
     def call(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         filled = list(leaves)
@@ -96,38 +144,26 @@ def trace_sparsity(
             filled[i] = t
         return f(x_, pytree.tree_unflatten(filled, spec))
 
-    if hessian:
-        def traced(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
-    else:
-        traced = call
-    # Own copies: the interpreter replays writes (a Cache written by f) on them.
-    tensors = [leaves[i].detach().clone() for i in slots]
-    x = x.detach().clone()
-    with torch.enable_grad() if hessian else torch.no_grad():
-        try:
-            graph = make_fx(functionalize(traced, remove="mutations_and_views"), tracing_mode="real")(x, *tensors)
-        except Exception as error:
-            raise RuntimeError(
-                "TracerSparsity: cannot trace f into an aten graph: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}\n"
-                "Data-dependent Python control flow (if on a tensor value, .item(), .tolist()) cannot be "
-                "traced for a global pattern. Use DenseSparsity() (a local pattern at the preparation point) "
-                "or KnownSparsity(pattern)."
-            ) from error
-        interpreter = _Interpreter(graph, x.numel())
-        return interpreter.run(x, tensors)
+    if not hessian:
+        return call
+
+    def gradient(x_: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
+
+    return gradient
 
 
 class _Store:
     """The index sets of one tensor's elements (in its logical row-major order), and whether its
     values are fixed (independent of ``x`` and of the contexts)."""
 
-    __slots__ = ("fixed", "sets")
+    __slots__ = ("fixed", "sets", "value")
 
     def __init__(self, sets: IndexSets, fixed: bool) -> None:
         self.sets = sets
         self.fixed = fixed
+        # The real tensor this store's elements live in: ``as_strided`` addresses its storage.
+        self.value: torch.Tensor | None = None
 
 
 @dataclass
@@ -178,11 +214,60 @@ _CONTRACTIONS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "matmul"
 _MAX_PAIRS = 30_000_000
 
 
+def _remember(value: Any, refs: Any) -> None:
+    """Record, for every store that a result created, the real tensor holding its elements."""
+    for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+        if isinstance(v, torch.Tensor) and isinstance(r, _Ref) and r.positions is None and r.store.value is None:
+            r.store.value = v
+
+
+def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: Any, offset: Any) -> np.ndarray | None:
+    """The store positions that ``view_of.as_strided(size, stride, offset)`` reads, or ``None``.
+
+    ``as_strided`` addresses the *storage* of ``view_of``, which it shares with the store's real
+    tensor: an int64 copy of that storage holding each element's store position (-1 elsewhere)
+    answers exactly, whatever the strides and storage offsets (autograd's backward of a write
+    into a slice reads the gradient this way, at the slice's storage offset).
+    """
+    root = store.value
+    if root is None or not isinstance(view_of, torch.Tensor) or root.device.type == "meta":
+        return None
+    try:
+        if view_of.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
+            return None
+        storage = torch.full((root.untyped_storage().nbytes() // root.element_size(),), -1, dtype=torch.int64)
+        storage.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
+            torch.arange(root.numel(), dtype=torch.int64).reshape(root.shape)
+        )
+        positions = storage.as_strided(size, stride, storage.storage_offset() if offset is None else offset)
+    except Exception:  # overlapping or out-of-bounds layouts: let the dense rule answer
+        return None
+    flat = positions.reshape(-1).numpy().astype(np.int64)
+    if flat.size and flat.min() < 0:
+        return None
+    return flat
+
+
+def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """``indices`` in a tensor with ``like``'s sizes, strides and storage offset (``None``: cannot)."""
+    try:
+        storage = torch.zeros(like.untyped_storage().nbytes() // like.element_size(), dtype=torch.int64)
+        mirror = storage.as_strided(like.shape, like.stride(), like.storage_offset())
+        mirror.copy_(indices)  # raises for overlapping strides
+    except Exception:
+        return None
+    return mirror
+
+
 class _Interpreter:
-    def __init__(self, graph: torch.fx.GraphModule, n: int) -> None:
+    def __init__(self, graph: torch.fx.GraphModule, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
         self.graph = graph
         self.n = n
         self.fallbacks: list[str] = []
+        # False: the values of tensors f creates or closes over are not read (they may hold a
+        # context's value); ``varying``: storages of such tensors (a module context's parameters).
+        self.read_created = read_created
+        self.varying = varying or set()
 
     # -- helpers ---------------------------------------------------------------------------
     def empty(self, numel: int) -> IndexSets:
@@ -201,12 +286,15 @@ class _Interpreter:
                 first = False
             elif node.op == "get_attr":
                 value = getattr(self.graph, str(node.target))
-                refs = _Ref(_Store(self.empty(value.numel()), fixed=True)) if isinstance(value, torch.Tensor) else None
+                fixed = self.read_created and isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.varying
+                refs = _Ref(_Store(self.empty(value.numel()), fixed=fixed)) if isinstance(value, torch.Tensor) else None
                 env[node] = (value, refs)
             elif node.op == "call_function":
                 env[node] = self.call(node, env)
             elif node.op == "output":
                 output = node.args[0]
+            if node in env:
+                _remember(*env[node])
         result = output[0] if isinstance(output, (tuple, list)) else output
         value, ref = env[result]
         pattern = ref.sets() if isinstance(ref, _Ref) else self.empty(value.numel())
@@ -256,7 +344,7 @@ class _Interpreter:
         if name == "copy_":
             src = refs[0][1]
             new = self.broadcast(src, args[0][1], value.shape) if isinstance(src, _Ref) else self.empty(value.numel())
-            fixed = src.fixed if isinstance(src, _Ref) else True
+            fixed = src.fixed if isinstance(src, _Ref) else self.read_created
         else:
             functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), target._overloadname, None)
             if functional is None:
@@ -276,7 +364,10 @@ class _Interpreter:
         parent: _Ref = refs[0][0]
         base = parent.store
         if target.overloadpacket.__name__ in ("as_strided", "as_strided_copy"):
-            positions = torch.arange(base.sets.nrows)  # strides are relative to the storage
+            flat = self.strided(target, args, base)
+            if flat is None:
+                return self.fallback(str(target), value, refs, fixed=False)
+            return _Ref(base, flat)
         else:
             positions = (
                 torch.arange(base.sets.nrows) if parent.positions is None else torch.from_numpy(parent.positions)
@@ -287,9 +378,15 @@ class _Interpreter:
             return self.fallback(str(target), value, refs, fixed=False)
         return pytree.tree_map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
 
+    def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
+        """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
+        names = [a.name for a in target._schema.arguments]
+        bound = dict(zip(names, args[0])) | args[1]
+        return _storage_positions(store, bound["self"], bound["size"], bound["stride"], bound.get("storage_offset"))
+
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
-        fixed = self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
+        fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
         if torch.Tag.nondeterministic_seeded in target.tags:
             fixed = False
         inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
@@ -301,6 +398,10 @@ class _Interpreter:
         (ref_pos, ref_kw) = refs
         if name in _SAME_SETS and isinstance(value, torch.Tensor) and value.shape == positional[0].shape:
             return _Ref(_Store(ref_pos[0].sets(), fixed))
+        if name == "as_strided_copy" and isinstance(ref_pos[0], _Ref):
+            flat = self.strided(target, args, ref_pos[0].store)
+            if flat is not None:
+                return _Ref(_Store(ref_pos[0].store.sets.take(flat), fixed))
         if name == "copy" and isinstance(ref_pos[1], _Ref):  # functionalized copy_: the source, broadcast
             return _Ref(_Store(self.broadcast(ref_pos[1], positional[1], value.shape), ref_pos[1].fixed))
         if name == "where" and len(positional) == 3:
@@ -368,6 +469,7 @@ class _Interpreter:
         data: list[IndexSets] = []
         offset = [1]
         varying_index = False
+        unmirrored = [False]
 
         def substitute(arg: Any, ref: Any) -> Any:
             nonlocal varying_index
@@ -376,7 +478,15 @@ class _Interpreter:
                     data.append(ref.sets())
                     start = offset[0]
                     offset[0] += arg.numel()
-                    return torch.arange(start, start + arg.numel(), dtype=torch.int64).reshape(arg.shape)
+                    indices = torch.arange(start, start + arg.numel(), dtype=torch.int64).reshape(arg.shape)
+                    if name == "as_strided_scatter" and len(data) == 1:
+                        # Its strides and offset address self's storage: run it on a tensor laid
+                        # out exactly as self is (0, no input, elsewhere in that storage).
+                        mirrored = _mirror(indices, arg)
+                        if mirrored is None:
+                            unmirrored[0] = True
+                        return mirrored
+                    return indices
                 if not ref.fixed:
                     varying_index = True
             return arg
@@ -386,7 +496,7 @@ class _Interpreter:
             for arg, ref in zip(positional, ref_pos)
         ]
         kw = {k: substitute(v, ref_kw.get(k)) for k, v in keywords.items()}
-        if not data:
+        if not data or unmirrored[0]:
             return None
         # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
         # input element: it becomes index 0.

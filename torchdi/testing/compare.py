@@ -245,7 +245,6 @@ def _check_pair(name: str, backend: Any, scenario: Scenario, rtol: float | None,
     # Run at another point than the one prepared at.
     x, t, c = scenario.fresh_inputs()
     here = _snapshot(_protected(x, t, c))
-    lean_before = getattr(prep, "lean_runner", None)
     try:
         result = call_operator(scenario.op, scenario.f, backend, x, t, c, prep=prep)
     except Exception as error:
@@ -253,9 +252,6 @@ def _check_pair(name: str, backend: Any, scenario: Scenario, rtol: float | None,
         problems += _modified(here, "the call")
         return record("fail", problems, prep.num_compilations)
     problems += _modified(here, "the call")
-    lean = getattr(prep, "lean_runner", None)
-    if lean_before is None and lean is not None:  # rule 2's one exception: the plain variant, compiled on first use
-        compilations += int(getattr(lean, "num_compilations", 0))
     mismatch = compare_results(result, expected, rtol=rtol, atol=atol)
     if mismatch:
         problems.append(f"wrong result: {mismatch}")

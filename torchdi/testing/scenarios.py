@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 import torchdi
 from torchdi.contexts import Cache, Constant, Context
+from torchdi.families import FAMILIES
 
 __all__ = [
     "OPERATORS",
@@ -71,24 +72,9 @@ class OperatorInfo:
 
 
 _OPERATOR_LIST = [
-    OperatorInfo("pushforward", "pushforward", "x"),
-    OperatorInfo("value_and_pushforward", "pushforward", "x"),
-    OperatorInfo("pullback", "pullback", "y"),
-    OperatorInfo("value_and_pullback", "pullback", "y"),
-    OperatorInfo("derivative", "derivative", None, scalar_x=True),
-    OperatorInfo("value_and_derivative", "derivative", None, scalar_x=True),
-    OperatorInfo("gradient", "gradient", None, scalar_y=True),
-    OperatorInfo("value_and_gradient", "gradient", None, scalar_y=True),
-    OperatorInfo("jacobian", "jacobian", None, tensor_x=True),
-    OperatorInfo("value_and_jacobian", "jacobian", None, tensor_x=True),
-    OperatorInfo("second_derivative", "second_derivative", None, scalar_x=True, order=2),
-    OperatorInfo(
-        "value_derivative_and_second_derivative", "second_derivative", None, scalar_x=True, order=2
-    ),
-    OperatorInfo("hvp", "hvp", "x", scalar_y=True, order=2),
-    OperatorInfo("gradient_and_hvp", "hvp", "x", scalar_y=True, order=2),
-    OperatorInfo("hessian", "hessian", None, tensor_x=True, scalar_y=True, order=2),
-    OperatorInfo("value_gradient_and_hessian", "hessian", None, tensor_x=True, scalar_y=True, order=2),
+    OperatorInfo(name, row.name, row.tangents_like, row.scalar_x, row.tensor_x, row.scalar_y, row.order)
+    for row in FAMILIES.values()
+    for name in (row.operator, row.value_operator)
 ]
 
 #: Every operator by name, in the order of DESIGN.md.
