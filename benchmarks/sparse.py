@@ -1,12 +1,17 @@
-"""Sparse jacobians and hessians: ``AutoSparse`` against the dense prepared call on the same backend.
+"""Sparse jacobians and hessians: ``AutoSparse`` against the dense prepared call and against asdex.
 
-Per scenario and size: detection time (``TracerSparsity``), colouring time, number of colours,
-the prepared sparse call and the prepared dense call on the same dense backend (medians of
-interleaved repeats in one process, after one untimed call), their ratio, and asdex (JAX) on the
-same function when ``jax`` and ``asdex`` are importable. Every sparse result is checked against
-the dense one (``ok``); a dense matrix too big to allocate is left out (``-``). The last rows time
-the colouring alone on a 10^5 x 10^5 banded pattern (5 non-zeros per row), per vertex order
-(wall time, and in parentheses the process's CPU time, which a busy shared machine inflates less).
+Per problem: the colours torchdi and asdex use, sparsity detection (torchdi's ``TracerSparsity``
+against ``asdex.jacobian_sparsity``/``hessian_sparsity``, medians of 3), the prepared sparse call
+(``AutoSparse(AutoCompile())``), asdex's jitted call on the same function written in
+``jax.numpy`` (float32 both, same input), their ratio, and the dense prepared call on the same
+``AutoCompile`` (medians of interleaved repeats in one process, one thread, after one untimed
+call). Problems: asdex's own benchmark problems (heat equation N=200, its small ConvNet, a
+Rosenbrock hessian N=200) and the 2-D Brusselator N=8..64, then torchdi-only ones. Every sparse
+result is checked against the dense one and against asdex's (``ok``). The asdex columns read
+``n/a`` when ``jax``/``asdex`` are not importable (``pip install 'torchdi[asdex]'``). The last rows
+time the colouring alone: a 10^5 x 10^5 banded pattern (5 non-zeros per row) per vertex order,
+a 10^5 tridiagonal hessian (star, acyclic), an n=1e4 arrowhead jacobian (bidirectional) and a
+dense 300 x 300 hessian.
 
 Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]`` or
 ``python -m torchdi bench --suite sparse`` (quick). ``--readme`` writes the table between the
@@ -29,8 +34,15 @@ import numpy as np
 import torch
 
 import torchdi
-from torchdi.sparsity.coloring import GreedyColoring, column_coloring
+from torchdi.sparsity.coloring import (
+    GreedyColoring,
+    acyclic_coloring,
+    bidirectional_coloring,
+    column_coloring,
+    star_coloring,
+)
 from torchdi.sparsity.index_sets import IndexSets
+from torchdi.sparsity.tracer import trace_sparsity
 from torchdi.testing.sparse_scenarios import (
     banded_linear,
     brusselator,
@@ -43,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- torchdi-sparse:start -->", "<!-- torchdi-sparse:end -->"
 # Dense matrices above this many entries are not computed (memory and time on a small machine).
 MAX_DENSE = 2048 * 2048
+HAS_ASDEX = importlib.util.find_spec("jax") is not None and importlib.util.find_spec("asdex") is not None
 
 
 def interleaved(calls: dict[str, Callable[[], Any]], repeats: int, budget_s: float) -> dict[str, float]:
@@ -61,6 +74,67 @@ def interleaved(calls: dict[str, Callable[[], Any]], repeats: int, budget_s: flo
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def median_seconds(call: Callable[[], Any], repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# The problems, in torch and in jax.numpy (asdex's benchmark problems, written anew)
+
+
+def heat_equation(u: torch.Tensor) -> torch.Tensor:
+    """The right-hand side of the 1-D heat equation with Dirichlet boundaries (tridiagonal)."""
+    return torch.cat([-2 * u[0:1] + u[1:2], u[:-2] - 2 * u[1:-1] + u[2:], u[-2:-1] - 2 * u[-1:]])
+
+
+def heat_equation_jax(u: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.concatenate([-2 * u[0:1] + u[1:2], u[:-2] - 2 * u[1:-1] + u[2:], u[-2:-1] - 2 * u[-1:]])
+
+
+_CONV = [  # (out channels, in channels, kernel) of three 1-D convolutions, "same" padding, ReLU after each
+    (8, 1, 5),
+    (4, 8, 3),
+    (2, 4, 3),
+]
+_rng = np.random.default_rng(0)
+_CONV_WEIGHTS = [
+    ((_rng.standard_normal(shape) / np.sqrt(shape[1] * shape[2])).astype(np.float32), (_rng.standard_normal(shape[0]) * 0.1).astype(np.float32))
+    for shape in _CONV
+]
+_CONV_TORCH = [(torch.from_numpy(w), torch.from_numpy(b)) for w, b in _CONV_WEIGHTS]
+
+
+def convnet(x: torch.Tensor) -> torch.Tensor:
+    """A small 1-D ConvNet as in asdex's benchmarks: (N,) -> (N, 2) flattened."""
+    h = x.reshape(1, 1, -1)
+    for w, b in _CONV_TORCH:
+        h = torch.relu(torch.nn.functional.conv1d(h, w, b, padding=w.shape[2] // 2))
+    return h[0].T.reshape(-1)
+
+
+def convnet_jax(x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    h = x.reshape(1, 1, -1)
+    for w, b in _CONV_WEIGHTS:
+        pad = w.shape[2] // 2
+        h = jax.lax.conv_general_dilated(h, jnp.asarray(w), (1,), [(pad, pad)], dimension_numbers=("NCH", "OIH", "NCH"))
+        h = jax.nn.relu(h + jnp.asarray(b)[None, :, None])
+    return h[0].T.reshape(-1)
+
+
+def rosenbrock_jax(x: Any) -> Any:
+    return (100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2).sum()
+
+
 def brusselator_jax(u: Any) -> Any:
     import jax.numpy as jnp
 
@@ -76,26 +150,30 @@ def brusselator_jax(u: Any) -> Any:
     return jnp.stack([du1, du2], axis=-1)
 
 
-def brusselator_asdex(x: torch.Tensor, repeats: int) -> str:
-    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("asdex") is None:
-        return "n/a"
-    try:
+class Asdex:
+    """asdex on the jax twin of a problem: detection time, colours, the jitted prepared call."""
+
+    def __init__(self, op: str, f: Callable[..., Any], x: torch.Tensor) -> None:
         import asdex  # type: ignore[import-not-found]
         import jax
         import jax.numpy as jnp
 
         jax.config.update("jax_platforms", "cpu")
-        u = jnp.asarray(x.numpy())
-        try:  # asdex 0.5: a sample input; later releases: input_shape=
-            prepared = asdex.jacobian(brusselator_jax, u)
-        except TypeError:
-            prepared = asdex.jacobian(brusselator_jax, input_shape=u.shape)
-        jac = jax.jit(prepared)
-        jac(u).block_until_ready()
-        seconds = interleaved({"asdex": lambda: jac(u).block_until_ready()}, repeats, 5.0)["asdex"]
-        return fmt(seconds)
-    except Exception as error:  # an asdex API this script does not know
-        return f"error: {type(error).__name__}"
+        self.u = jnp.asarray(x.numpy())
+        detect = asdex.jacobian_sparsity if op == "jacobian" else asdex.hessian_sparsity
+        self.detect_s = median_seconds(lambda: detect(f, self.u))
+        sparsity = detect(f, self.u)
+        coloring = (asdex.jacobian_coloring_from_sparsity if op == "jacobian" else asdex.hessian_coloring_from_sparsity)(sparsity)
+        self.ncolors = int(coloring.num_colors)
+        self.call = jax.jit((asdex.jacobian if op == "jacobian" else asdex.hessian)(f, self.u))
+        self.block = jax.block_until_ready
+        self.block(self.call(self.u))
+
+    def __call__(self) -> Any:
+        return self.block(self.call(self.u))
+
+    def dense(self) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.call(self.u).todense()))
 
 
 def fmt(seconds: float) -> str:
@@ -106,35 +184,45 @@ def fmt(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def scenarios(quick: bool) -> list[tuple[str, str, Callable[..., Any], torch.Tensor]]:
+def scenarios(quick: bool) -> list[tuple[str, str, Callable[..., Any], Callable[..., Any] | None, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=g)
 
     sizes = (8, 16, 32) if quick else (8, 16, 32, 64)
-    cases = [("jacobian", f"brusselator N={n}", brusselator, 1 + 0.1 * rand(n, n, 2)) for n in sizes]
+    cases: list[tuple[str, str, Callable[..., Any], Callable[..., Any] | None, torch.Tensor]] = [
+        ("jacobian", "heat equation N=200", heat_equation, heat_equation_jax, rand(200)),
+        ("jacobian", "asdex's ConvNet N=200", convnet, convnet_jax, rand(200)),
+        ("hessian", "Rosenbrock N=200", chained_rosenbrock, rosenbrock_jax, 1 + 0.1 * rand(200)),
+    ]
+    cases += [("jacobian", f"Brusselator N={n}", brusselator, brusselator_jax, 1 + 0.1 * rand(n, n, 2)) for n in sizes]
     cases += [
-        ("jacobian", "banded linear n=1000", banded_linear(1000, 2, torch.float32), rand(1000)),
-        ("jacobian", "diff(x)^2 n=2000", diff_square, rand(2000)),
-        ("jacobian", "sparse conv 4x32x32", sparse_conv, rand(1, 4, 32, 32)),
-        ("hessian", "chained Rosenbrock n=1000", chained_rosenbrock, 1 + 0.1 * rand(1000)),
-        ("hessian", "chained Rosenbrock n=1e5", chained_rosenbrock, 1 + 0.1 * rand(100_000)),
+        ("jacobian", "banded linear n=1000", banded_linear(1000, 2, torch.float32), None, rand(1000)),
+        ("jacobian", "diff(x)^2 n=2000", diff_square, None, rand(2000)),
+        ("jacobian", "sparse conv 4x32x32", sparse_conv, None, rand(1, 4, 32, 32)),
+        ("hessian", "chained Rosenbrock n=1e5", chained_rosenbrock, None, 1 + 0.1 * rand(100_000)),
     ]
     return cases
+
+
+def close(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    assert got is not None
+    return torch.allclose(got, want.reshape(got.shape), rtol=1e-4, atol=1e-4 * max(float(want.abs().max()), 1.0))
 
 
 def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dict[str, str]]:
     dense_backend = torchdi.AutoCompile(compiler=compiler)
     sparse_backend = torchdi.AutoSparse(dense_backend)
-    repeats = 7 if quick else 15
+    repeats = 7 if quick else 21
     # The first trace in a process pays make_fx's imports and warm-up (seconds): not per function.
     torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(3))
     rows = []
-    for op, name, f, x in scenarios(quick):
+    for op, name, f, f_jax, x in scenarios(quick):
         progress(f"{op}: {name}")
         prepare = torchdi.prepare_jacobian if op == "jacobian" else torchdi.prepare_hessian
         call = torchdi.jacobian if op == "jacobian" else torchdi.hessian
+        detect_s = median_seconds(lambda: trace_sparsity(lambda z, _: f(z), x, (), hessian=op == "hessian"))  # noqa: B023
         start = time.perf_counter()
         prep = prepare(f, sparse_backend, x)
         sparse_prep_s = time.perf_counter() - start
@@ -145,50 +233,86 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
         if m * n <= MAX_DENSE:
             dense_prep = prepare(f, dense_backend, x)
             contenders["dense"] = lambda: call(f, dense_backend, x, prep=dense_prep)  # noqa: B023
+        asdex = None
+        if HAS_ASDEX and f_jax is not None:
+            try:
+                asdex = Asdex(op, f_jax, x)
+                contenders["asdex"] = asdex
+            except Exception as error:  # an asdex API this script does not know
+                progress(f"  asdex: {type(error).__name__}: {error}")
         times = interleaved(contenders, repeats, 20.0)  # the closures above run within this iteration
-        correct = "-"
+        got = call(f, sparse_backend, x, prep=prep).to_dense() if dense_prep is not None or asdex is not None else None
+        checks = []
         if dense_prep is not None:
-            got = call(f, sparse_backend, x, prep=prep).to_dense()
-            want = call(f, dense_backend, x, prep=dense_prep).reshape(got.shape)
-            correct = "ok" if torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())) else "FAIL"
-        asdex = brusselator_asdex(x, repeats) if name.startswith("brusselator") else "n/a"
+            checks.append(close(got, call(f, dense_backend, x, prep=dense_prep)))
+        if asdex is not None:
+            checks.append(close(got, asdex.dense()))
+        correct = "-" if not checks else ("ok" if all(checks) else "FAIL")
+        na = "n/a" if f_jax is not None else "-"
         rows.append({
             "operator": op,
-            "scenario": name,
+            "problem": name,
             "size": f"{m} x {n}",
-            "detect": fmt(prep.detection_seconds),
-            "colour": fmt(prep.coloring_seconds),
             "colours": str(prep.ncolors),
+            "asdex colours": str(asdex.ncolors) if asdex else na,
             "mode": prep.sparse_mode,
+            "detect": fmt(detect_s),
+            "asdex detect": fmt(asdex.detect_s) if asdex else na,
+            "colour": fmt(prep.coloring_seconds),
             "sparse prep": fmt(sparse_prep_s),
             "sparse call": fmt(times["sparse"]),
+            "asdex call": fmt(times["asdex"]) if "asdex" in times else na,
+            "vs asdex": f"{times['sparse'] / times['asdex']:.1f}x" if "asdex" in times else na,
             "dense call": fmt(times["dense"]) if "dense" in times else "-",
             "speed-up": f"{times['dense'] / times['sparse']:.0f}x" if "dense" in times else "-",
-            "asdex": asdex,
             "compiles": str(prep.num_compilations),
             "correct": correct,
         })
+    rows += colouring_rows(progress)
+    return rows
+
+
+def colouring_rows(progress: Callable[[str], None]) -> list[dict[str, str]]:
+    """Colouring alone, on closed-form patterns (medians of 3, wall time)."""
     n = 100_000
     i = np.repeat(np.arange(n), 5)
     j = i + np.tile(np.arange(-2, 3), n)
     keep = (j >= 0) & (j < n)
     banded = IndexSets.from_pairs(i[keep], j[keep], n, n)
-    for order in ("natural", "largest_first", "smallest_last", "random"):
-        progress(f"colouring 1e5 banded, {order}")
-        seconds, cpu_seconds, colors = [], [], None
-        for _ in range(3):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            colors = column_coloring(banded, GreedyColoring(order))
-            seconds.append(time.perf_counter() - start)
-            cpu_seconds.append(time.process_time() - cpu_start)
-        assert colors is not None
-        rows.append({
-            "operator": "colouring", "scenario": f"banded 1e5, {order}", "size": f"{n} x {n}", "detect": "-",
-            "colour": f"{fmt(statistics.median(seconds))} ({fmt(statistics.median(cpu_seconds))} CPU)", "colours": str(int(colors.max()) + 1), "mode": "columns",
-            "sparse prep": "-", "sparse call": "-", "dense call": "-", "speed-up": "-", "asdex": "n/a",
-            "compiles": "-", "correct": "-",
-        })
+    i3 = np.repeat(np.arange(n), 3)
+    j3 = i3 + np.tile(np.arange(-1, 2), n)
+    keep3 = (j3 >= 0) & (j3 < n)
+    tridiagonal = IndexSets.from_pairs(i3[keep3], j3[keep3], n, n)
+    a = 10_000
+    arrow = IndexSets.from_pairs(
+        np.concatenate([np.zeros(a), np.arange(a), np.arange(1, a)]), np.concatenate([np.arange(a), np.arange(a), np.zeros(a - 1)]), a, a
+    )
+    cases: list[tuple[str, str, IndexSets, Callable[[], int]]] = []
+    for order in ("natural", "largest_first", "smallest_last", "incidence_degree", "dynamic_largest_first", "random"):
+        cases.append((f"banded 1e5 (5 per row), {order}", "columns", banded, lambda o=order: int(column_coloring(banded, GreedyColoring(o)).max()) + 1))  # type: ignore[misc]
+    cases += [
+        ("tridiagonal hessian 1e5, star", "star", tridiagonal, lambda: int(star_coloring(tridiagonal, GreedyColoring()).max()) + 1),
+        ("tridiagonal hessian 1e5, acyclic", "substitution", tridiagonal, lambda: int(acyclic_coloring(tridiagonal, GreedyColoring()).max()) + 1),
+        ("arrowhead jacobian 1e4, bidirectional", "mixed", arrow, lambda: sum(int(c.max()) + 1 for c in bidirectional_coloring(arrow, GreedyColoring()))),
+        ("dense hessian 300, star", "star", IndexSets.full(300, 300), lambda: int(star_coloring(IndexSets.full(300, 300), GreedyColoring()).max()) + 1),
+    ]
+    rows = []
+    for name, mode, pattern, colour in cases:
+        progress(f"colouring {name}")
+        count = colour()
+        seconds = median_seconds(colour)
+        row = dict.fromkeys(("operator", "problem", "size", "colours", "asdex colours", "mode", "detect", "asdex detect", "colour", "sparse prep", "sparse call", "asdex call", "vs asdex", "dense call", "speed-up", "compiles", "correct"), "-")
+        row.update({"operator": "colouring", "problem": name, "size": f"{pattern.nrows} x {pattern.ncols}", "colours": str(count), "mode": mode, "colour": fmt(seconds)})
+        rows.append(row)
     return rows
+
+
+def asdex_version() -> str:
+    if not HAS_ASDEX:
+        return "not installed (n/a)"
+    from importlib.metadata import version
+
+    return f"asdex {version('asdex')}, jax {version('jax')} (jitted, CPU)"
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
@@ -212,17 +336,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiler", default="inductor", help="AutoCompile's compiler (default inductor)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable medians on a shared machine)")
     parser.add_argument("--readme", action="store_true", help="write the table into README.md between the markers")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
     rows = run(args.quick, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
     header = (
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), AutoCompile(compiler={args.compiler!r}) "
-        f"as the dense backend; medians of interleaved repeats; asdex: {'importable' if importlib.util.find_spec('asdex') else 'not installed'}"
+        f"as the dense backend; float32; medians of interleaved repeats; asdex: {asdex_version()}"
     )
     table = markdown(rows)
     print(header)
     print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(f"{header}\n\n{table}\n")
     failed = any(row["correct"] == "FAIL" for row in rows)
     if args.readme and not failed:
         readme = ROOT / "README.md"

@@ -13,11 +13,21 @@ from hypothesis import strategies as st
 import torchdi
 from torchdi.families import FAMILIES
 from torchdi.sparsity.coloring import (
+    ORDERS,
     GreedyColoring,
+    acyclic_coloring,
     adjacency,
+    bidirectional_coloring,
     column_coloring,
     star_coloring,
+    symmetric_coloring,
+)
+from torchdi.sparsity.decompression import (
+    TorchRecovery,
+    bidirectional_recovery,
+    seeds,
     star_recovery,
+    substitution_recovery,
 )
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.tracer import trace_sparsity
@@ -30,7 +40,6 @@ from torchdi.testing.sparse_scenarios import (
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
-ORDERS = ["natural", "largest_first", "smallest_last", "random"]
 
 
 def dense_jacobian(f, x):
@@ -88,6 +97,14 @@ RULE_CASES = {
     "scatter-value": (lambda x: x.scatter(0, torch.tensor([1, 2]), 7.0), torch.rand(4) + 1),
     "pad-value": (lambda x: torch.nn.functional.pad(x, (1, 2), value=4.0), torch.rand(4) + 1),
     "layer-norm": (lambda x: torch.nn.functional.layer_norm(x[:4].reshape(2, 2), (2,), weight=x[4:]).reshape(-1), torch.rand(6)),
+    "index-put-accumulate": (
+        lambda x: torch.zeros(5).index_put((torch.tensor([4, 0, 4]),), x[:3] * x[3:], accumulate=True),
+        torch.rand(6) + 1,
+    ),
+    "index-put-accumulate-2d": (
+        lambda x: x.reshape(2, 3).index_put((torch.tensor([1, 0, 1]), torch.tensor([2, 2, 2])), x[3:] ** 2, accumulate=True).reshape(-1),
+        torch.rand(6) + 1,
+    ),
     "index-add": (lambda x: x[:3].index_add(0, torch.tensor([2, 0, 1]), x[3:]), torch.rand(6) + 1),
     "scatter-add-2d": (
         lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
@@ -103,6 +120,20 @@ def test_tracer_rules_are_exact(case):
     truth = (dense_jacobian(f, x) != 0).numpy()
     assert np.array_equal(result.pattern.to_dense(), truth), case
     assert result.fallbacks == ()
+
+
+def test_indexing_gradient_gives_an_exact_hessian_pattern():
+    # The gradient of x[I] is an index_put(accumulate=True): without its rule the pattern was dense.
+    generator = torch.Generator().manual_seed(0)
+    n = 40
+    i, j = torch.randint(0, n, (60,), generator=generator), torch.randint(0, n, (60,), generator=generator)
+    w = torch.rand(60, generator=generator, dtype=torch.float64)
+    f = lambda x: (w * torch.sin(x[i]) * torch.sin(x[j])).sum()  # noqa: E731
+    x = torch.rand(n, generator=generator, dtype=torch.float64)
+    result = traced(f, x, hessian=True)
+    pattern = IndexSets.union([result.pattern, result.pattern.transpose()]).to_dense()
+    assert result.fallbacks == ()
+    assert np.array_equal(pattern, (torch.autograd.functional.hessian(f, x) != 0).numpy())
 
 
 def test_tracer_is_conservative_where_values_decide():
@@ -177,7 +208,86 @@ def random_pattern(rows: int, cols: int, density: float, seed: int) -> IndexSets
     return IndexSets.from_dense(rng.random((rows, cols)) < density)
 
 
-@pytest.mark.parametrize("order", ORDERS)
+def random_symmetric(n: int, density: float, seed: int, diagonal: bool = True) -> IndexSets:
+    upper = np.triu(np.random.default_rng(seed).random((n, n)) < density, 1)
+    return IndexSets.from_dense(upper | upper.T | (np.eye(n, dtype=bool) & diagonal))
+
+
+def banded(n: int, lower: int, upper: int) -> np.ndarray:
+    i = np.arange(n)
+    return (i[None, :] - i[:, None] <= upper) & (i[:, None] - i[None, :] <= lower)
+
+
+def arrowhead(n: int) -> np.ndarray:
+    mask = np.eye(n, dtype=bool)
+    mask[0, :] = mask[:, 0] = True
+    return mask
+
+
+def two_coloured_components(pattern: IndexSets, colors: np.ndarray) -> list[tuple[int, int]]:
+    """(vertices, edges) of every connected component of the subgraphs of two colours."""
+    graph = adjacency(pattern)
+    rows, cols = graph.row_ids(), graph.indices
+    result = []
+    for a in range(colors.max() + 1):
+        for b in range(a + 1, colors.max() + 1):
+            keep = (rows < cols) & np.isin(colors[rows], (a, b)) & np.isin(colors[cols], (a, b))
+            parent = list(range(pattern.nrows))
+
+            def find(v, parent=parent):
+                while parent[v] != v:
+                    v = parent[v]
+                return v
+
+            for u, v in zip(rows[keep], cols[keep]):
+                parent[find(u)] = find(v)
+            members = {}
+            for u, v in zip(rows[keep], cols[keep]):
+                members.setdefault(find(u), [set(), 0])
+                members[find(u)][0].update((u, v))
+                members[find(u)][1] += 1
+            result += [(len(vs), e) for vs, e in members.values()]
+    return result
+
+
+def is_star_colouring(pattern: IndexSets, colors: np.ndarray) -> bool:
+    graph = adjacency(pattern)
+    if (colors[graph.row_ids()] == colors[graph.indices]).any():
+        return False
+    # every two-coloured component is a star: a tree whose edges all meet one vertex
+    degree_ok = True
+    rows, cols = graph.row_ids(), graph.indices
+    for a in range(colors.max() + 1):
+        for b in range(colors.max() + 1):
+            if a == b:
+                continue
+            # a vertex of colour a with >= 2 neighbours of colour b is a centre; its b-neighbours
+            # must have no other a-neighbour (else a path of 4 vertices in 2 colours)
+            mask = (colors[rows] == a) & (colors[cols] == b)
+            count = np.bincount(rows[mask], minlength=pattern.nrows)
+            back = np.bincount(cols[mask], minlength=pattern.nrows)  # a-neighbours of each b vertex
+            centres = np.flatnonzero(count >= 2)
+            for c in centres:
+                spokes = cols[mask & (rows == c)]
+                degree_ok &= bool((back[spokes] == 1).all())
+    return degree_ok and all(e == v - 1 for v, e in two_coloured_components(pattern, colors))
+
+
+def is_acyclic_colouring(pattern: IndexSets, colors: np.ndarray) -> bool:
+    graph = adjacency(pattern)
+    proper = not (colors[graph.row_ids()] == colors[graph.indices]).any()
+    return proper and all(e == v - 1 for v, e in two_coloured_components(pattern, colors))
+
+
+def symmetric_values(pattern: IndexSets, seed: int) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal((pattern.nrows, pattern.ncols)) * pattern.to_dense()
+    return np.triu(values) + np.triu(values, 1).T
+
+
+ALL_ORDERS = [*ORDERS, ("natural", "smallest_last", "random")]
+
+
+@pytest.mark.parametrize("order", ALL_ORDERS)
 @pytest.mark.parametrize("seed", range(3))
 def test_column_colouring_groups_are_structurally_orthogonal(order, seed):
     pattern = random_pattern(30, 40, 0.1, seed)
@@ -187,32 +297,107 @@ def test_column_colouring_groups_are_structurally_orthogonal(order, seed):
         assert (dense[:, colors == c].sum(axis=1) <= 1).all()
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", ALL_ORDERS)
 @pytest.mark.parametrize("seed", range(3))
-def test_star_colouring_is_a_star_colouring(order, seed):
-    upper = np.triu(np.random.default_rng(seed).random((30, 30)) < 0.1)
-    symmetric = IndexSets.from_dense(upper | upper.T | np.eye(30, dtype=bool))
-    colors = star_coloring(symmetric, GreedyColoring(order, seed=seed))
-    graph = adjacency(symmetric)
-    rows, cols = graph.row_ids(), graph.indices
-    assert (colors[rows] != colors[cols]).all()  # proper
-    assert star_recovery(symmetric, colors) is not None  # every entry directly recoverable
+@pytest.mark.parametrize("density", [0.12, 0.6])
+def test_star_and_acyclic_colourings_are_valid_and_recover_the_hessian(order, seed, density):
+    pattern = random_symmetric(30, density, seed)
+    values = symmetric_values(pattern, seed)
+    star = star_coloring(pattern, GreedyColoring(order, seed=seed))
+    acyclic = acyclic_coloring(pattern, GreedyColoring(order, seed=seed))
+    assert is_star_colouring(pattern, star)
+    assert is_acyclic_colouring(pattern, acyclic)
+    for colors, recovery in ((star, star_recovery(pattern, star)), (acyclic, substitution_recovery(pattern, acyclic))):
+        assert recovery is not None
+        hvps = seeds(colors, 30, torch.float64, torch.device("cpu")) @ torch.from_numpy(values)  # H symmetric
+        recovered = TorchRecovery(recovery, torch.device("cpu")).values(hvps.reshape(-1))
+        assert torch.allclose(recovered, torch.from_numpy(values[pattern.row_ids(), pattern.indices]))
+    chosen = symmetric_coloring(pattern, GreedyColoring(order, seed=seed, decompression="substitution"))
+    assert chosen.max() <= star.max()  # substitution never needs more colours than star
 
 
-def test_colour_counts_on_known_structures():
-    n = 1000
-    i = np.arange(n)
-    tridiagonal = IndexSets.from_dense(np.abs(i[:, None] - i[None, :]) <= 1)
-    assert column_coloring(tridiagonal, GreedyColoring()).max() + 1 == 3
-    assert star_coloring(tridiagonal, GreedyColoring()).max() + 1 == 3
-    arrow = np.eye(50, dtype=bool)
-    arrow[0, :] = arrow[:, 0] = True
-    assert star_coloring(IndexSets.from_dense(arrow), GreedyColoring()).max() + 1 == 2  # distance-2 would need 50
+@pytest.mark.parametrize("order", ALL_ORDERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_bidirectional_colouring_recovers_the_jacobian(order, seed):
+    pattern = random_pattern(25, 30, 0.12, seed)
+    dense = pattern.to_dense()
+    dense[0, :] = dense[:, 0] = True  # a dense row and column: bidirectional pays
+    pattern = IndexSets.from_dense(dense)
+    jac = torch.from_numpy(np.random.default_rng(seed).standard_normal(dense.shape) * dense)
+    columns, rows = bidirectional_coloring(pattern, GreedyColoring(order, seed=seed))
+    forward = (jac @ seeds(columns, 30, torch.float64, torch.device("cpu")).T).T  # (nf, m)
+    reverse = seeds(rows, 25, torch.float64, torch.device("cpu")) @ jac  # (nr, n)
+    flat = torch.cat([forward.reshape(-1), reverse.reshape(-1)])
+    recovered = TorchRecovery(bidirectional_recovery(pattern, columns, rows), torch.device("cpu")).values(flat)
+    assert torch.equal(recovered, jac[pattern.row_ids(), pattern.indices])
+    passes = columns.max() + rows.max() + 2
+    assert passes <= min(column_coloring(pattern, GreedyColoring()).max(), column_coloring(pattern.transpose(), GreedyColoring()).max()) + 1
+
+
+@pytest.mark.parametrize("order", ALL_ORDERS)
+def test_colour_counts_on_known_structures(order):
+    coloring = GreedyColoring(order)
+    # banded jacobians: the band width, whatever the order (a clique of that many columns)
+    for lower, upper in ((0, 1), (1, 1), (2, 2), (0, 4)):
+        assert column_coloring(IndexSets.from_dense(banded(300, lower, upper)), coloring).max() + 1 == lower + upper + 1
+    assert column_coloring(IndexSets.full(40, 60), coloring).max() + 1 == 60  # dense: one column per colour
+    dense = IndexSets.full(300, 300)  # a dense hessian: n colours, without a search of n^3 steps
+    assert star_coloring(dense, coloring).max() + 1 == 300 and acyclic_coloring(dense, coloring).max() + 1 == 300
+    # a tridiagonal hessian: 3 colours for star colouring, 2 for acyclic (a path is a tree)
+    tridiagonal = IndexSets.from_dense(banded(1000, 1, 1))
+    if order in ("natural", "largest_first", "smallest_last", "incidence_degree"):
+        assert star_coloring(tridiagonal, coloring).max() + 1 == 3
+    assert acyclic_coloring(tridiagonal, coloring).max() + 1 <= 3
+    assert star_coloring(IndexSets.from_dense(arrowhead(50)), coloring).max() + 1 == 2  # distance-2 would need 50
+    # bidirectional: a dense first row and column, n passes in either single direction
+    columns, rows = bidirectional_coloring(IndexSets.from_dense(arrowhead(200)), coloring)
+    assert columns.max() + rows.max() + 2 <= 3
+
+
+def test_colouring_orders_best_of():
+    pattern = random_symmetric(60, 0.08, 3)
+    each = [star_coloring(pattern, GreedyColoring(o, seed=1)).max() for o in ORDERS]
+    assert star_coloring(pattern, GreedyColoring(tuple(ORDERS), seed=1)).max() == min(each)
+    acyclic = acyclic_coloring(IndexSets.from_dense(banded(1000, 1, 1)), GreedyColoring())
+    assert acyclic.max() + 1 == 2
+
+
+def test_arrowhead_1e4_in_three_passes():
+    n = 10_000
+    rows = np.concatenate([np.zeros(n), np.arange(n), np.arange(1, n)])
+    cols = np.concatenate([np.arange(n), np.arange(n), np.zeros(n - 1)])
+    pattern = IndexSets.from_pairs(rows, cols, n, n)
+    columns, row_colors = bidirectional_coloring(pattern, GreedyColoring())
+    assert columns.max() + row_colors.max() + 2 <= 3
+    recovery = bidirectional_recovery(pattern, columns, row_colors)  # every entry readable
+    assert recovery.direct.size == pattern.nnz
+
+
+def test_postprocessing_drops_unneeded_colours():
+    # A hessian pattern without diagonal: a star K_{1,5}: colours {0: centre, 1: leaves}; every
+    # entry can be read from the centre's colour alone (at the leaves).
+    star = np.zeros((6, 6), dtype=bool)
+    star[0, 1:] = star[1:, 0] = True
+    pattern = IndexSets.from_dense(star)
+    plain = symmetric_coloring(pattern, GreedyColoring())
+    processed = symmetric_coloring(pattern, GreedyColoring(postprocessing=True))
+    assert plain.max() + 1 == 2 and processed.max() + 1 == 1
+    assert star_recovery(pattern, processed) is not None
+    with_diagonal = IndexSets.from_dense(star | np.eye(6, dtype=bool))
+    assert symmetric_coloring(with_diagonal, GreedyColoring(postprocessing=True)).max() + 1 == 2
 
 
 def test_coloring_options_are_checked():
     with pytest.raises(ValueError, match="order must be one of"):
         torchdi.GreedyColoring(order="alphabetical")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="order must be one of"):
+        torchdi.GreedyColoring(order=())
+    with pytest.raises(ValueError, match="decompression must be 'direct' or 'substitution'"):
+        torchdi.GreedyColoring(decompression="solve")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="postprocessing must be a bool"):
+        torchdi.GreedyColoring(postprocessing=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MixedMode: reverse must be a dense torchdi backend"):
+        torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoSparse())
     with pytest.raises(TypeError, match="dense must be a dense torchdi backend"):
         torchdi.AutoSparse(torchdi.AutoSparse())
     with pytest.raises(TypeError, match="sparsity must be"):
@@ -404,6 +589,120 @@ def test_sparse_scenarios_pass_test_differentiation():
     from torchdi.testing import test_differentiation
 
     test_differentiation([torchdi.AutoSparse(torchdi.AutoFunc())], sparse_scenarios(sizes=(8,)), rtol=1e-6, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------
+# MixedMode, substitution, post-processing through the public API (issue 26)
+
+
+def arrow(x):
+    return torch.cat([(x**2).sum().reshape(1), x[1:] * x[0] + x[1:] ** 3])
+
+
+def test_mixed_mode_sparse_jacobian_equals_dense():
+    backend = torchdi.AutoSparse(torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc()))
+    x = torch.rand(200, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_jacobian(arrow, backend, torch.rand(200, dtype=torch.float64))
+    assert prep.sparse_mode == "mixed" and prep.ncolors <= 3  # n = 200 in either single direction
+    y, jac = torchdi.value_and_jacobian(arrow, backend, x, prep=prep)
+    assert torch.allclose(y, arrow(x))
+    assert torch.allclose(jac.to_dense(), dense_jacobian(arrow, x))
+    one_sided = torchdi.prepare_jacobian(arrow, torchdi.AutoSparse(torchdi.AutoFunc()), x)
+    assert one_sided.ncolors == 200
+    # A pattern where one direction is as good keeps a single kind of pass.
+    prep = torchdi.prepare_jacobian(diff_square, backend, torch.rand(9, dtype=torch.float64))
+    assert prep.sparse_mode == "forward" and prep.ncolors == 2
+
+
+def test_mixed_mode_compiled_compiles_once_and_mixes_backends():
+    backend = torchdi.AutoSparse(torchdi.MixedMode(torchdi.AutoCompile(compiler="aot_eager"), torchdi.AutoAutograd()))
+    prep = torchdi.prepare_jacobian(arrow, backend, torch.rand(50, dtype=torch.float64))
+    assert prep.sparse_mode == "mixed" and prep.num_compilations == 1
+    for _ in range(2):
+        x = torch.rand(50, dtype=torch.float64) + 0.5
+        assert torch.allclose(torchdi.jacobian(arrow, backend, x, prep=prep).to_dense(), dense_jacobian(arrow, x))
+    assert prep.num_compilations == 1
+
+
+def test_mixed_mode_dense_operators():
+    backend = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoAutograd())
+    x = torch.rand(5, dtype=torch.float64)
+    wide = lambda x: torch.cat([x, x**2, x.sin()])  # noqa: E731 - 15 outputs, 5 inputs: forward mode
+    assert torch.allclose(torchdi.jacobian(wide, backend, x), dense_jacobian(wide, x).reshape(15, 5))
+    assert torch.allclose(torchdi.jacobian(arrow, backend, x), dense_jacobian(arrow, x))
+    assert torch.allclose(torchdi.gradient(chained_rosenbrock, backend, x), torchdi.gradient(chained_rosenbrock, torchdi.AutoAutograd(), x))
+    (dy,) = torchdi.pushforward(wide, backend, x, (torch.ones(5, dtype=torch.float64),))
+    assert torch.allclose(dy, dense_jacobian(wide, x).sum(1))
+    func = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc())
+    assert torch.allclose(torchdi.hessian(chained_rosenbrock, func, x), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    assert torchdi.check_available(func)
+
+
+@pytest.mark.parametrize("dense", [torchdi.AutoFunc(), torchdi.AutoCompile(compiler="aot_eager")], ids=["func", "compile"])
+def test_substitution_hessian_equals_dense(dense):
+    backend = torchdi.AutoSparse(dense, coloring=torchdi.GreedyColoring(decompression="substitution"))
+    x = torch.rand(30, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_hessian(chained_rosenbrock, backend, torch.rand(30, dtype=torch.float64))
+    assert (prep.sparse_mode, prep.ncolors) == ("substitution", 2)  # star colouring needs 3
+    y, grad, hess = torchdi.value_gradient_and_hessian(chained_rosenbrock, backend, x, prep=prep)
+    assert torch.allclose(y, chained_rosenbrock(x))
+    assert torch.allclose(hess.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    assert torch.allclose(grad, torchdi.gradient(chained_rosenbrock, torchdi.AutoAutograd(), x))
+    x32 = x.float()
+    prep32 = torchdi.prepare_hessian(chained_rosenbrock, backend, x32)
+    hess32 = torchdi.hessian(chained_rosenbrock, backend, x32, prep=prep32)
+    assert hess32.dtype == torch.float32
+    assert torch.allclose(hess32.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x32), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("scenario", [s for s in sparse_scenarios(sizes=(8,)) if s.op == "hessian"], ids=lambda s: s.name)
+def test_substitution_never_more_colours_than_star(scenario):
+    star = torchdi.prepare_hessian(scenario.f, torchdi.AutoSparse(torchdi.AutoFunc()), scenario.x)
+    backend = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(decompression="substitution"))
+    substitution = torchdi.prepare_hessian(scenario.f, backend, scenario.x)
+    assert substitution.ncolors <= star.ncolors
+    hess = torchdi.hessian(scenario.f, backend, scenario.x, prep=substitution)
+    assert torch.allclose(hess.to_dense(), scenario.reference().reshape(hess.shape))
+
+
+def test_no_csr_beta_warning_from_torchdi_results():
+    # torch warns once per process: check in a fresh one.
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch, torchdi\n"
+        "warnings.filterwarnings('error', message='.*Sparse CSR')\n"
+        "b = torchdi.AutoSparse(torchdi.AutoFunc())\n"
+        "p = torchdi.prepare_jacobian(torch.diff, b, torch.ones(5))\n"
+        "torchdi.jacobian(torch.diff, b, torch.ones(5), prep=p)\n"
+        "torchdi.hessian(lambda x: (x**3).sum(), b, torch.ones(4))\n"
+        "p.sparsity_pattern\n"
+        "print('clean')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "clean", done.stderr
+
+
+@pytest.mark.parametrize("band", [5, 10, 20])
+def test_colour_counts_on_difftest_banded_scenarios(band):
+    # DifferentiationInterfaceTest's sparse scenarios: A * x.^2 with an upper banded A (n = 50) and
+    # the quadratic form dot(x.^2, A, x.^2), whose hessian has half-bandwidth `band`.
+    i = np.arange(50)
+    upper = IndexSets.from_dense((i[None, :] - i[:, None] >= 0) & (i[None, :] - i[:, None] <= band))
+    assert column_coloring(upper, GreedyColoring()).max() + 1 == band + 1  # optimal: a row holds band + 1
+    hessian = IndexSets.from_dense(np.abs(i[:, None] - i[None, :]) <= band)
+    assert acyclic_coloring(hessian, GreedyColoring()).max() + 1 == band + 1  # optimal: a clique of band + 1
+    assert star_coloring(hessian, GreedyColoring()).max() + 1 <= 2 * band + 1
+
+
+def test_postprocessing_refuses_a_colouring_that_is_not_star():
+    from torchdi.sparsity.coloring import postprocess_symmetric
+
+    path = IndexSets.from_dense(banded(4, 1, 1) & ~np.eye(4, dtype=bool))  # 0-1-2-3 in two colours
+    with pytest.raises(ValueError, match="no colour can be read from"):
+        postprocess_symmetric(path, np.array([0, 1, 0, 1]))
+    assert star_recovery(path, np.array([0, 1, 0, 1])) is None
 
 
 def _sparse_rule_2_case(family):

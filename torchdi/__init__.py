@@ -20,6 +20,7 @@ from torchdi.backends import (
     AutoFunc,
     AutoSparse,
     AutoXLA,
+    MixedMode,
     SecondOrder,
     check_available,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "DifferentiateWith",
     "GreedyColoring",
     "KnownSparsity",
+    "MixedMode",
     "Prep",
     "PreparationMismatchError",
     "SecondOrder",

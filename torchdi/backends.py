@@ -25,6 +25,7 @@ __all__ = [
     "AutoXLA",
     "Backend",
     "DataParallel",
+    "MixedMode",
     "SecondOrder",
     "check_available",
 ]
@@ -160,6 +161,43 @@ class SecondOrder:
 
 
 @dataclass(frozen=True)
+class MixedMode:
+    """Forward passes of ``forward`` and reverse passes of ``reverse``, mixed (DI's ``MixedMode``).
+
+    Under ``AutoSparse``, jacobians use *bidirectional* colouring: some non-zeros are read from
+    colour-compressed pushforwards of ``forward``, the others from colour-compressed pullbacks of
+    ``reverse`` (a jacobian with a dense first row and column takes 3 passes instead of ``n``);
+    a one-sided colouring is kept when it needs no more passes. A dense jacobian uses whichever
+    mode needs fewer passes (forward when ``x`` is smaller than ``f(x)``). Pushforwards and
+    derivatives use ``forward``; pullbacks and gradients ``reverse``; second-order operators
+    ``SecondOrder(forward, reverse)`` (forward over reverse).
+
+    Args:
+        forward: the backend of the forward passes (``AutoFunc()``, ``AutoCompile()``, ...).
+        reverse: the backend of the reverse passes.
+
+    Example::
+
+        >>> backend = torchdi.AutoSparse(torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc()))
+        >>> def f(x):  # an arrowhead jacobian
+        ...     return torch.cat([x.sum().reshape(1), x[1:] * x[0]])
+        >>> torchdi.prepare_jacobian(f, backend, torch.rand(100)).ncolors
+        3
+    """
+
+    forward: Backend
+    reverse: Backend
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "reverse"):
+            value = getattr(self, name)
+            if not isinstance(value, _BACKEND_TYPES) or isinstance(value, (AutoSparse, MixedMode)):
+                raise TypeError(
+                    f"MixedMode: {name} must be a dense torchdi backend such as AutoFunc() or AutoCompile(), got {value!r}"
+                )
+
+
+@dataclass(frozen=True)
 class AutoSparse:
     """Sparse jacobians and hessians from colour-compressed passes of a dense backend.
 
@@ -174,14 +212,17 @@ class AutoSparse:
 
     Args:
         dense: the torchdi backend that runs the compressed passes (``AutoFunc()``,
-            ``AutoCompile()``, ``AutoXLA()``, ``AutoAutograd()``, ...).
+            ``AutoCompile()``, ``AutoXLA()``, ``AutoAutograd()``, ...); ``MixedMode(forward,
+            reverse)`` for bidirectional colouring of jacobians.
         sparsity: ``TracerSparsity()`` (global, from ``f``'s graph), ``DenseSparsity()`` (local, at
             the preparation point) or ``KnownSparsity(pattern)``.
-        coloring: ``GreedyColoring(order=...)``.
+        coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``.
 
-    The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors``, ``colors``,
-    ``groups`` (the indices of each colour), ``sparse_mode`` (``"forward"``, ``"reverse"`` or
-    ``"star"``) and ``sparsity_fallbacks`` (ops the tracer had no rule for).
+    The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors`` (the number
+    of compressed passes), ``colors`` (``"mixed"``: a pair, column colours then row colours, ``-1``
+    for a column or row in no pass), ``groups`` (the indices of each colour, forward ones first),
+    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``)
+    and ``sparsity_fallbacks`` (ops the tracer had no rule for).
 
     Example::
 
@@ -271,8 +312,8 @@ def _default_coloring() -> Any:
     return GreedyColoring()
 
 
-Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder | AutoSparse | DataParallel
-_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder, AutoSparse, DataParallel)
+Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder | AutoSparse | MixedMode | DataParallel
+_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder, AutoSparse, MixedMode, DataParallel)
 
 
 def check_available(backend: Backend) -> bool:
@@ -292,6 +333,8 @@ def unavailable_reason(backend: Backend) -> str | None:
         raise TypeError(f"backend must be a torchdi backend (AutoAutograd(), AutoFunc(), ...), got {backend!r}")
     if isinstance(backend, SecondOrder):
         return unavailable_reason(backend.outer) or unavailable_reason(backend.inner)
+    if isinstance(backend, MixedMode):
+        return unavailable_reason(backend.forward) or unavailable_reason(backend.reverse)
     if isinstance(backend, AutoCompile):
         return unavailable_reason(backend.inner)
     if isinstance(backend, AutoSparse):

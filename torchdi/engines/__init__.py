@@ -14,6 +14,7 @@ from torchdi.engines import (  # noqa: F401  (imported for their registration)
     data_parallel,
     finitediff,
     func,
+    mixed,
     second_order,
     sparse,
     xla,

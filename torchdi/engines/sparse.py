@@ -1,12 +1,14 @@
 """``AutoSparse``: sparse jacobians and hessians from colour-compressed passes of a dense backend.
 
-Preparation (``warm_up``, called once by ``prepare_*``): detect the pattern, colour it, build the
-seeds (one 0/1 tangent per colour) and prepare the dense backend's *batched* runner on them
-(pushforward or pullback for jacobians, HVP for hessians) with ``n_tangents = ncolors``: on a
+Preparation (``warm_up``, called once by ``prepare_*``): detect the pattern (``sparsity/``),
+colour it (``sparsity/coloring.py``), build the seeds (one 0/1 tangent per colour) and prepare
+the dense backend's *batched* runner on them (pushforward or pullback for jacobians, both for
+``MixedMode``'s bidirectional colouring, HVP for hessians) with ``n_tangents = ncolors``: on a
 compiled backend that is one compiled program, and later calls never recompile. A call runs the
-compressed passes and reads every stored entry of the pattern from them with one ``gather``
-(positions fixed at preparation), then wraps the values in a CSR tensor whose index tensors are
-shared by all calls of the preparation.
+compressed passes and reads every stored entry of the pattern from them
+(``sparsity/decompression.py``: gathers at positions fixed at preparation, and prefix sums for
+substitution), then wraps the values in a CSR tensor whose index tensors are shared by all calls
+of the preparation.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA
-from torchdi.composition import base_type, outer_inner
+from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
+from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
+from torchdi.engines.compile import CompiledRunner
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES
@@ -35,12 +38,20 @@ from torchdi.runners import (
     warm_up,
     zero_runner,
 )
+from torchdi.sparsity import decompression
 from torchdi.sparsity.coloring import (
+    bidirectional_coloring,
     color_groups,
     column_coloring,
+    symmetric_coloring,
+)
+from torchdi.sparsity.decompression import (
+    Recovery,
+    TorchRecovery,
+    bidirectional_recovery,
     jacobian_recovery,
-    star_coloring,
     star_recovery,
+    substitution_recovery,
 )
 from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
@@ -135,21 +146,60 @@ class SparseRunner:
         self.spec = spec
         self.dense_native = dense_native
         self.published: dict[str, Any] = {}
-        self.compressed: Any = None
+        self.passes: list[tuple[Any, torch.Tensor]] = []  # (runner, seeds) per kind of pass
+        # On AutoCompile: the passes and the decompression as one compiled program
+        # (x, seeds, contexts) -> (y, CSR values); None elsewhere.
+        self.fused: Any = None
         self.gradient: Any = None
-        self.seeds: torch.Tensor | None = None
-        self.gather = torch.zeros(0, dtype=torch.int64)
+        self.prepared = False
+        self.recovery = Recovery(np.zeros(0, dtype=np.int64))
         self.crow = torch.zeros(1, dtype=torch.int64)
         self.col = torch.zeros(0, dtype=torch.int64)
         self.shape = (0, 0)
-        self.indices_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, TorchRecovery]] = {}
 
     @property
     def num_compilations(self) -> int:
-        return num_compilations(self.compressed) + num_compilations(self.gradient)
+        runners = [r for r, _ in self.passes] + [self.fused, self.gradient]
+        return sum(num_compilations(r) for r in runners)
+
+    def _color_jacobian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
+        """The jacobian's mode, its passes (family, colours) and recovery."""
+        coloring = self.backend.coloring
+        forward_ok = "pushforward" in self.dense_native or "pullback" not in self.dense_native
+        reverse_ok = "pullback" in self.dense_native or "pushforward" not in self.dense_native
+        columns = column_coloring(pattern, coloring) if forward_ok else None
+        rows = column_coloring(pattern.transpose(), coloring) if reverse_ok else None
+        n_columns = int(columns.max(initial=-1)) + 1 if columns is not None else None
+        n_rows = int(rows.max(initial=-1)) + 1 if rows is not None else None
+        if isinstance(self.backend.dense, MixedMode) and pattern.nnz:
+            # Bidirectional only when it needs fewer passes than both one-sided colourings.
+            mixed_columns, mixed_rows = bidirectional_coloring(pattern, coloring)
+            n_mixed = int(mixed_columns.max(initial=-1)) + int(mixed_rows.max(initial=-1)) + 2
+            if n_columns is not None and n_rows is not None and n_mixed < min(n_columns, n_rows):
+                recovery = bidirectional_recovery(pattern, mixed_columns, mixed_rows)
+                return "mixed", [("pushforward", mixed_columns), ("pullback", mixed_rows)], recovery
+        # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
+        # whose forward mode is a double backward (twice the work, and not compilable).
+        prefer_reverse = base_type(self.backend.dense) is AutoAutograd
+        if columns is not None and (
+            rows is None or n_columns < n_rows or (n_columns == n_rows and not prefer_reverse)  # type: ignore[operator]
+        ):
+            return "forward", [("pushforward", columns)], jacobian_recovery(pattern, columns, by_rows=False)
+        assert rows is not None
+        return "reverse", [("pullback", rows)], jacobian_recovery(pattern, rows, by_rows=True)
+
+    def _color_hessian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
+        coloring = self.backend.coloring
+        colors = symmetric_coloring(pattern, coloring)
+        if coloring.decompression == "substitution":
+            return "substitution", [("hvp", colors)], substitution_recovery(pattern, colors)
+        recovery = star_recovery(pattern, colors)
+        assert recovery is not None, "a star colouring allows direct recovery"
+        return "star", [("hvp", colors)], recovery
 
     def warm_up(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> None:
-        """Detect, colour, and prepare the dense backend's batched runner on the colour seeds."""
+        """Detect, colour, and prepare the dense backend's batched runners on the colour seeds."""
         hessian = self.family == "hessian"
         start = time.perf_counter()
         n = self.spec.x.numel
@@ -159,98 +209,96 @@ class SparseRunner:
         else:  # an empty x or f(x): the empty pattern, no colour, no pass
             pattern, fallbacks = IndexSets.empty(m, n), ()
         detected = time.perf_counter()
-        if hessian:
-            colors = star_coloring(pattern, self.backend.coloring)
-            recovery = star_recovery(pattern, colors)
-            if recovery is None:  # a distance-2 colouring always allows direct recovery
-                colors = column_coloring(pattern, self.backend.coloring)
-                recovery = star_recovery(pattern, colors)
-            assert recovery is not None
-            mode = "star"
-        else:
-            forward_ok = "pushforward" in self.dense_native or "pullback" not in self.dense_native
-            reverse_ok = "pullback" in self.dense_native or "pushforward" not in self.dense_native
-            columns = column_coloring(pattern, self.backend.coloring) if forward_ok else None
-            rows = column_coloring(pattern.transpose(), self.backend.coloring) if reverse_ok else None
-            # The mode that needs fewer passes; on a tie forward mode, except over torch.autograd,
-            # whose forward mode is a double backward (twice the work, and not compilable).
-            prefer_reverse = base_type(self.backend.dense) is AutoAutograd
-            if columns is not None and (
-                rows is None
-                or columns.max(initial=-1) < rows.max(initial=-1)
-                or (columns.max(initial=-1) == rows.max(initial=-1) and not prefer_reverse)
-            ):
-                colors, mode = columns, "forward"
-            else:
-                assert rows is not None
-                colors, mode = rows, "reverse"
-            recovery = jacobian_recovery(pattern, colors, by_rows=mode == "reverse")
+        mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
         colored = time.perf_counter()
-        ncolors = int(colors.max(initial=-1)) + 1
-        groups = color_groups(colors)
         self.shape = (m, n)
         self.crow = torch.from_numpy(pattern.indptr.copy())
         self.col = torch.from_numpy(pattern.indices.copy())
-        self.gather = torch.from_numpy(recovery.astype(np.int64))
-        self.indices_on = {}
-        seed_meta = self.spec.y if mode == "reverse" else self.spec.x
-        dtype = seed_meta.dtypes[0]
-        seeds = torch.zeros(ncolors, seed_meta.numel, dtype=dtype, device=x.device)
-        if ncolors:
-            seeds[torch.from_numpy(colors).to(x.device), torch.arange(colors.size, device=x.device)] = 1
-        self.seeds = seeds.reshape(ncolors, *seed_meta.shapes[0])
-        if ncolors:
-            family = {"forward": "pushforward", "reverse": "pullback", "star": "hvp"}[mode]
-            self.compressed = build_runner(self.backend.dense, family, self.f, replace_spec(self.spec, n_tangents=ncolors))
-            warm_up(self.compressed, x, self.seeds, contexts)
+        self.recovery = recovery
+        self.on_device = {}
+        self.passes = []
+        self.fused = None
+        dense = self.backend.dense
+        compiled = isinstance(dense, AutoCompile) and dense.fullgraph
+        for family, colors in passes:
+            meta = self.spec.y if family == "pullback" else self.spec.x
+            count = int(colors.max(initial=-1)) + 1
+            if not count:
+                continue
+            seed = decompression.seeds(colors, meta.numel, meta.dtypes[0], x.device).reshape(count, *meta.shapes[0])
+            spec = replace_spec(self.spec, n_tangents=count)
+            if compiled:  # the eager pass, compiled below together with the decompression
+                assert isinstance(dense, AutoCompile)
+                refuse_compiled_double_backward(dense, family, spec)
+                runner = build_runner(dense.inner, family, self.f, spec)
+            else:
+                runner = build_runner(dense, family, self.f, spec)
+                warm_up(runner, x, seed, contexts)
+            self.passes.append((runner, seed))
+        if compiled and self.passes:
+            assert isinstance(dense, AutoCompile) and len(self.passes) == 1
+            self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), dense, self.family, self.f)
+            warm_up(self.fused, x, self.passes[0][1], contexts)
         if hessian and n == 0:
             self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
         elif hessian:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
             warm_up(self.gradient, x, None, contexts)
+        self.prepared = True
+        all_colors = [torch.from_numpy(c) for _, c in passes]
+        ncolors = sum(int(c.max(initial=-1)) + 1 for _, c in passes)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
             "ncolors": ncolors,
-            "colors": torch.from_numpy(colors),
-            "groups": tuple(torch.from_numpy(g) for g in groups),
+            "colors": all_colors[0] if len(all_colors) == 1 else tuple(all_colors),
+            "groups": tuple(torch.from_numpy(g) for _, c in passes for g in color_groups(c)),
             "sparse_mode": mode,
             "sparsity_fallbacks": fallbacks,
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
         }
 
-    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        found = self.indices_on.get(device)
+    def _device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, TorchRecovery]:
+        found = self.on_device.get(device)
         if found is None:
-            found = self.indices_on[device] = (self.crow.to(device), self.col.to(device), self.gather.to(device))
+            found = self.on_device[device] = (self.crow.to(device), self.col.to(device), TorchRecovery(self.recovery, device))
         return found
 
-    def _assemble(self, compressed: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        device = like.device if compressed is None else compressed.device
-        crow, col, gather = self._indices(device)
-        if compressed is None:
+    def _assemble(self, compressed: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        device = like.device if not compressed else compressed[0].device
+        crow, col, recovery = self._device(device)
+        if not compressed:
             values = torch.zeros(0, dtype=like.dtype, device=device)
         else:
-            values = compressed.reshape(-1).index_select(0, gather)  # 6x faster than [gather] on CPU
-        return torch.sparse_csr_tensor(crow, col, values, self.shape, check_invariants=False)
+            flat = compressed[0].reshape(-1) if len(compressed) == 1 else torch.cat([c.reshape(-1) for c in compressed])
+            values = recovery.values(flat)
+        return decompression.csr(crow, col, values, self.shape)
 
     def _run(self, x: torch.Tensor, contexts: tuple[Any, ...], checked: bool) -> tuple[Any, ...]:
-        if self.seeds is None:
+        if not self.prepared:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
         def call(runner: Any, tangents: Any) -> Any:
             return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
 
+        if self.fused is not None:
+            y, values = call(self.fused, self.passes[0][1])
+            crow, col, _ = self._device(values.device)
+            matrix = decompression.csr(crow, col, values, self.shape)
+            if self.family == "hessian":
+                value, grad = call(self.gradient, None)
+                return value, grad, matrix
+            return y, matrix
         if self.family == "hessian":
             y, grad = call(self.gradient, None)
-            compressed = call(self.compressed, self.seeds)[1] if self.compressed is not None else None
+            compressed = [call(runner, seed)[1] for runner, seed in self.passes]
             return y, grad, self._assemble(compressed, grad)
-        if self.compressed is None:  # f does not depend on x
+        if not self.passes:  # f does not depend on x
             y = self.f(x, contexts)
-            return y, self._assemble(None, y)
-        y, compressed = call(self.compressed, self.seeds)
-        return y, self._assemble(compressed, x)
+            return y, self._assemble([], y)
+        results = [call(runner, seed) for runner, seed in self.passes]
+        return results[0][0], self._assemble([r[1] for r in results], x)
 
     def __call__(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         return self._run(x, contexts, checked=False)
@@ -258,6 +306,17 @@ class SparseRunner:
     def checked_call(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call whose strict check has passed: the dense runners may take their fast paths."""
         return self._run(x, contexts, checked=True)
+
+
+def _fused(runner: Any, recovery: TorchRecovery, backend: AutoCompile, family: str, f: Any) -> CompiledRunner:
+    """The compressed pass and the decompression, compiled as one program: ``(x, seeds, contexts)
+    -> (y or gradient, CSR values)``. The recovery's index tensors are constants of the program."""
+
+    def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
+        first, compressed = runner(x, seeds, contexts)
+        return first, recovery.values(compressed.reshape(-1))
+
+    return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)))
 
 
 register_engine(AutoSparse, SparseEngine)

@@ -20,7 +20,8 @@ import torch
 
 from torchdi.backends import AutoCompile, AutoFiniteDiff, AutoXLA
 from torchdi.runners import BoundFunction, Spec, build_runner, engine_for, replace_spec, warm_up
-from torchdi.sparsity.coloring import GreedyColoring, column_coloring, jacobian_recovery
+from torchdi.sparsity.coloring import GreedyColoring, column_coloring
+from torchdi.sparsity.decompression import jacobian_recovery
 from torchdi.sparsity.index_sets import IndexSets
 
 __all__ = ["rows_missing_nonzeros"]
@@ -72,7 +73,7 @@ def _probe(
     warm_up(runner, x, tangents, contexts)
     products = runner(x, tangents, contexts)[-1].detach().reshape(ncolors + 1, other)
     compressed, wanted = products[:ncolors], products[ncolors]
-    gather = torch.from_numpy(jacobian_recovery(pattern, colors, by_rows=by_rows)).to(x.device)
+    gather = torch.from_numpy(jacobian_recovery(pattern, colors, by_rows=by_rows).direct).to(x.device)
     values = compressed.reshape(-1).index_select(0, gather)
     rows = torch.from_numpy(pattern.row_ids()).to(x.device)
     cols = torch.from_numpy(pattern.indices).to(x.device)

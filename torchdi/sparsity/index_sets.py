@@ -7,12 +7,24 @@ vectorised with numpy: building the pattern of a 10^5-element banded map takes m
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["IndexSets"]
+__all__ = ["IndexSets", "quiet_sparse_csr"]
+
+
+@contextmanager
+def quiet_sparse_csr() -> Iterator[None]:
+    """Silence torch's "Sparse CSR tensor support is in beta state" warning around torchdi's own
+    construction of CSR tensors (a user's own CSR code still sees it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        yield
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,13 +142,14 @@ class IndexSets:
 
     def to_torch(self) -> torch.Tensor:
         """A sparse boolean CSR tensor of shape ``(nrows, ncols)``."""
-        return torch.sparse_csr_tensor(
-            torch.from_numpy(self.indptr.copy()),
-            torch.from_numpy(self.indices.copy()),
-            torch.ones(self.nnz, dtype=torch.bool),
-            (self.nrows, self.ncols),
-            check_invariants=False,
-        )
+        with quiet_sparse_csr():
+            return torch.sparse_csr_tensor(
+                torch.from_numpy(self.indptr.copy()),
+                torch.from_numpy(self.indices.copy()),
+                torch.ones(self.nnz, dtype=torch.bool),
+                (self.nrows, self.ncols),
+                check_invariants=False,
+            )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IndexSets):

@@ -24,8 +24,9 @@ Rules (the op's first matching rule applies):
   dimensions: the union over the reduced elements;
 - ``mm``/``bmm``/``mv``/``dot``/``addmm``/``baddbmm``: the union over the contracted index, using
   the non-zeros of a fixed operand;
-- ``index_add``/``scatter_add``/``index_reduce``/``scatter_reduce`` with fixed indices: each output
-  element joins the source elements sent to it; ``native_layer_norm``: rows over the normalized
+- ``index_add``/``scatter_add``/``index_reduce``/``scatter_reduce`` and ``index_put`` with
+  ``accumulate=True`` (indexing's gradient) with fixed indices: each output element joins the
+  source elements sent to it; ``native_layer_norm``: rows over the normalized
   dimensions;
 - ``convolution`` (1-d, 2-d, 3-d, groups, stride, padding, dilation), with a fixed kernel's zeros;
 - anything else: every output element depends on every input element of every operand
@@ -408,7 +409,11 @@ class _Interpreter:
             cond = ref_pos[0]
             if isinstance(cond, _Ref) and not cond.fixed:
                 return _Ref(_Store(self.pointwise(value.shape, positional[1:], ref_pos[1:]), fixed))
-        if name in _MOVEMENT:
+        if name in ("index_put", "_unsafe_index_put") and (positional[3:4] == (True,) or keywords.get("accumulate")):
+            accumulated = self.index_put_accumulate(value, positional, ref_pos)
+            if accumulated is not None:
+                return _Ref(_Store(accumulated, fixed))
+        elif name in _MOVEMENT:
             sets = self.movement(target, name, value, positional, keywords, ref_pos, ref_kw)
             if sets is not None:
                 return pytree.tree_map(lambda s: _Ref(_Store(s, fixed)), sets)
@@ -621,6 +626,26 @@ class _Interpreter:
                 if tuple(index.shape) != tuple(source.shape):
                     used = torch.arange(source.numel()).reshape(source.shape)[tuple(slice(0, k) for k in index.shape)]
                     sources = sources.take(used.reshape(-1).numpy())
+            parts.append(sources.group(owner.reshape(-1).numpy(), value.numel()))
+        return IndexSets.union(parts) if parts else self.empty(value.numel())
+
+    def index_put_accumulate(self, value: torch.Tensor, positional: Any, ref_pos: Any) -> IndexSets | None:
+        """``index_put(accumulate=True)`` (indexing's gradient) with fixed indices: each output
+        element joins ``self``'s element and the ``values`` elements added into it."""
+        _, indices, values = positional[:3]
+        r_base, r_indices, r_values = ref_pos[:3]
+        if not all(i is None or (isinstance(r, _Ref) and r.fixed) for i, r in zip(indices, r_indices)):
+            return None
+        grid = torch.arange(value.numel()).reshape(value.shape)
+        try:  # aten's None index is a full slice; Python indexing gives aten's result layout
+            owner = grid[tuple(slice(None) if i is None else i for i in indices)]
+        except (IndexError, RuntimeError):
+            return None
+        parts = []
+        if isinstance(r_base, _Ref) and r_base.store.sets.nnz:
+            parts.append(r_base.sets())
+        if isinstance(r_values, _Ref) and r_values.store.sets.nnz:
+            sources = self.broadcast(r_values, values, owner.shape)
             parts.append(sources.group(owner.reshape(-1).numpy(), value.numel()))
         return IndexSets.union(parts) if parts else self.empty(value.numel())
 
