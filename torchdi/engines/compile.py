@@ -35,7 +35,12 @@ from torchdi.composition import refuse_compiled_double_backward
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner, register_engine
-from torchdi.translate import copyto_, to_device_tensor
+from torchdi.translate import (
+    copyto_,
+    float_positions,
+    keep_float_factories_traced,
+    to_device_tensor,
+)
 
 __all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
@@ -129,6 +134,7 @@ class _CountingCompiler:
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
+        keep_float_factories_traced(graph)  # rule 2: torch.tensor(c) of a float context stays traced
         compiled = self.compiler(graph, example_inputs)
         owner = self.owner()
         if owner is not None:
@@ -151,11 +157,6 @@ def translated(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """``to_device_tensor`` applied leaf by leaf (the pytree structure is kept as it is)."""
     leaves, spec = pytree.tree_flatten(values)
     return pytree.tree_unflatten([to_device_tensor(leaf, None) for leaf in leaves], spec)
-
-
-def float_positions(values: tuple[Any, ...]) -> tuple[int, ...]:
-    """The positions of Python floats among the flat leaves of ``values``."""
-    return tuple(i for i, leaf in enumerate(pytree.tree_leaves(values)) if isinstance(leaf, float))
 
 
 def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
@@ -188,7 +189,7 @@ class CompiledRunner:
         name: the user's function, for messages.
     """
 
-    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str) -> None:
+    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str, state_contexts: tuple[int, ...] = ()) -> None:
         self.num_compilations = 0
         self.num_graphs = 0
         self.num_ops = 0
@@ -198,6 +199,9 @@ class CompiledRunner:
         self.inner = runner
         self.translate = True
         self.float_positions: tuple[int, ...] = ()
+        # The positions of the State contexts: f updates them in place, and a State tensor
+        # copied to the compiled layout must have its update copied back.
+        self.state_contexts = state_contexts
         self.autocast: dict[str, torch.dtype] = {}
         self._cache: DynamoCache | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
@@ -274,6 +278,25 @@ class CompiledRunner:
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
             ) from error
+        except torch._dynamo.exc.UserError as error:
+            # Dynamo's refusals of the function itself, the data-dependent guard above all
+            # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
+            # average 1 / num_batches_tracked): as unsupported as a graph break.
+            reason = str(error).strip().splitlines()
+            fallback = (
+                "AutoCompile(fullgraph=False) (which runs what dynamo cannot capture eagerly), or "
+                if self.backend.fullgraph
+                else ""
+            )
+            raise RuntimeError(
+                f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot compile the "
+                f"{self.name}: {' '.join(reason[:4])}\n"
+                "The function needs a tensor's value while it is traced (a data-dependent expression: "
+                "a Python number computed from a tensor, or a branch on one; BatchNorm with momentum=None "
+                "divides by its num_batches_tracked buffer). Keep such values in tensor operations "
+                "(e.g. BatchNorm with a numeric momentum), or use "
+                f"{fallback}an eager backend: AutoFunc() or AutoAutograd()."
+            ) from error
         self.prepared = True
         if self.num_ops == 0:
             logger.warning(
@@ -331,8 +354,19 @@ class CompiledRunner:
             dense = _contiguous((x, tangents, contexts))
             transformed = cache.lookup({"x": dense[0], "tangents": dense[1], "contexts": dense[2]})
             if transformed is not None:
-                return transformed(*dense)
+                result = transformed(*dense)
+                self._copy_back_states(contexts, dense[2])
+                return result
         return self._finish(self._through_dynamo(x, tangents, contexts))
+
+    def _copy_back_states(self, given: tuple[Any, ...], ran_on: tuple[Any, ...]) -> None:
+        """Write the updates f made to contiguous copies of State tensors into the caller's tensors
+        (once per call, as eager training updates them)."""
+        with torch.no_grad():
+            for i in self.state_contexts:
+                for mine, copy in zip(pytree.tree_leaves(given[i]), pytree.tree_leaves(ran_on[i])):
+                    if isinstance(mine, torch.Tensor) and copy is not mine:
+                        mine.copy_(copy)
 
     def _finish(self, result: Any) -> Any:
         if self.owns_buffers:
@@ -368,7 +402,7 @@ class CompileEngine:
     def build(self, family: str, f: Any, spec: Any) -> Any:
         refuse_compiled_double_backward(self.backend, family, spec)
         inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
 
     @staticmethod
     def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:

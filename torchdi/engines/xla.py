@@ -10,9 +10,10 @@ without ``torch.compile``'s per-call wrapper; a failed guard recompiles through
 ``torch.compile``, is counted and logged with the guard that failed, and a result is never stale.
 
 What is traced follows ``AutoCompile``'s one rule: each leaf of ``x``, the tangents and the
-contexts goes through ``translate_contexts``/``to_device_tensor``; tensors are graph inputs
-(new values never recompile), anything else is static. Three details keep it that way on
-torch-xla (measured on torch-xla 2.9's CPU client):
+contexts goes through ``to_device_tensor``; tensors are graph inputs (new values never
+recompile), anything else is static. Python floats travel as exact float64 values and reach
+``f`` as (symbolic) Python floats, as on ``AutoCompile`` (``translate.float_positions``).
+Three details keep it that way on torch-xla (measured on torch-xla 2.9's CPU client):
 
 - A 0-d tensor equal to 0 or 1 becomes a compile-time constant on an XLA device (and is then
   synced by the bridge on every call): 0-d leaves travel as shape-(1,) device buffers and are
@@ -46,9 +47,10 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc, AutoXLA, xla_device_problem
 from torchdi.engines.base import ALL_FAMILIES
+from torchdi.engines.compile import _forget_float_specializations
 from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner, register_engine
-from torchdi.translate import to_device_tensor, translate_contexts
+from torchdi.translate import float_positions, keep_float_factories_traced, to_device_tensor
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
@@ -107,6 +109,7 @@ class _CountingOpenXLA:
         )
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        keep_float_factories_traced(graph)  # rule 2: torch.tensor(c) of a float context stays traced
         compiled = self._aot(graph, example_inputs)
         owner = self.owner()
         if owner is not None:
@@ -184,17 +187,20 @@ def _entry_template(*leaves: Any) -> Any:
     items = list(leaves)
     for slot in scalar_slots:  # type: ignore[name-defined]  # noqa: F821  (the entry's own globals)
         items[slot] = items[slot].view(())
+    for slot in float_slots:  # type: ignore[name-defined]  # noqa: F821  (Python floats, in double precision)
+        items[slot] = items[slot].item()
     x, tangents, contexts = tree_unflatten(items, spec)  # type: ignore[name-defined]  # noqa: F821
     with functorch_safe_pooling():  # type: ignore[name-defined]  # noqa: F821
         return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821
 
 
-def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...]) -> Any:
+def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...], float_slots: tuple[int, ...]) -> Any:
     """``entry(*leaves)`` for one preparation: a code object and globals of its own."""
     names = {
         "runner": runner,
         "spec": spec,
         "scalar_slots": scalar_slots,
+        "float_slots": float_slots,
         "tree_unflatten": pytree.tree_unflatten,
         "functorch_safe_pooling": _FunctorchSafePooling,
     }
@@ -289,6 +295,7 @@ class XLARunner:
         self.buffers: list[torch.Tensor | None] | None = None
         self.replicas: dict[int, _ModuleReplica] = {}
         self.scalar_slots: tuple[int, ...] = ()
+        self.float_slots: tuple[int, ...] = ()  # Python-float contexts, handed back to f as floats
         self.state_contexts = state_contexts
         # Flat positions of the State contexts' tensors: f updates the device copies in place,
         # and the call writes them back into the caller's host tensors.
@@ -315,10 +322,11 @@ class XLARunner:
         self.translate = any(
             not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf for leaf in pytree.tree_leaves(contexts)
         )
-        translated = translate_contexts(contexts, None, x)
+        translated = to_device_tensor(contexts, None)
         leaves, spec = pytree.tree_flatten((x, tangents, translated))
         self._spec = spec
         offset = len(pytree.tree_leaves((x, tangents)))
+        self.float_slots = tuple(offset + i for i in float_positions(contexts))
         slots: list[int] = []
         for i, context in enumerate(translated):
             count = len(pytree.tree_leaves(context))
@@ -347,7 +355,7 @@ class XLARunner:
 
             self.zero_copy = xr.device_type() == "CPU" and self.device.type == "xla"
             self._from_dlpack = xla_dlpack.from_dlpack
-        entry = _graph_entry(self.runner, spec, self.scalar_slots)
+        entry = _graph_entry(self.runner, spec, self.scalar_slots, self.float_slots)
         self._entry_holder.append(entry)
         self.cache = DynamoCache(entry)
         self._compiled = torch.compile(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
@@ -373,7 +381,7 @@ class XLARunner:
         """The flat leaves on the device (0-d ones as shape (1,)), whether ``x`` lived there, and
         the flat leaves as given."""
         if self.translate:
-            contexts = translate_contexts(contexts, None, x)
+            contexts = to_device_tensor(contexts, None)
         leaves: list[Any] = []
         _append_leaves((x, tangents, contexts), leaves)
         x_on_device = True
@@ -425,7 +433,12 @@ class XLARunner:
             transformed = cache.lookup({"leaves": leaves})
             if transformed is not None:
                 return transformed(*leaves)
-        return cache.call(self._compiled, leaves, {"leaves": leaves}, RECOMPILE_LIMITS)
+        # .item() of a float context gives dynamo a symbolic float: no recompilation per value.
+        _forget_float_specializations()
+        try:
+            return cache.call(self._compiled, leaves, {"leaves": leaves}, {"capture_scalar_outputs": True, **RECOMPILE_LIMITS})
+        finally:
+            _forget_float_specializations()
 
     def _lazy(self, leaves: list[Any]) -> Any:
         """The fallback: trace with lazy tensors, materialize only this call's outputs."""
@@ -436,6 +449,8 @@ class XLARunner:
         torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
         before = _uncached_compiles()
         items = [leaf.view(()) if i in self.scalar_slots else leaf for i, leaf in enumerate(leaves)]
+        for slot in self.float_slots:
+            items[slot] = items[slot].item()
         assert self._spec is not None  # set by warm_up
         x, tangents, contexts = pytree.tree_unflatten(items, self._spec)
         with _FunctorchSafePooling():
