@@ -8,9 +8,21 @@ TORCH_VERSION := 2.13.0
 XLA_VENV := .venv-xla
 XLA_VERSION := 2.9.0
 TORCHVISION_VERSION := 0.24.0
+# The newest torch the registry serves (a CUDA build; it runs on CPU too): a third environment,
+# so that a torch internal that moved shows up as a failing test here, not on a user's machine.
+# It is also the environment of make test-gpu, the only one whose torch has CUDA.
+NEXT_VENV := .venv-next
+NEXT_TORCH_VERSION := 2.14.1
+# What the version runs (torch 2.9 in $(XLA_VENV), $(NEXT_TORCH_VERSION) in $(NEXT_VENV)) cover:
+# every engine's operators, the preparation rules, compile soundness on aot_eager (the engines'
+# private internals and their fallbacks, tests/test_fence.py), DifferentiateWith, State, sparse.
+# Not the scenario sweep, inductor or the slow tests: those run on the main torch.
+VERSION_TESTS := tests/test_operators.py tests/test_prep_rules.py tests/test_compile_soundness.py \
+	tests/test_fence.py tests/test_differentiate_with.py tests/test_state.py tests/test_sparse.py
+VERSION_MARKS := not scenarios and not inductor and not slow and not cuda
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: test test-main test-main-scenarios test-main-rest test-xla lint bench check clean docs docs-check
+.PHONY: test test-main test-main-scenarios test-main-rest test-xla test-next test-oldest test-gpu lint bench check clean docs docs-check
 
 # The docs extra too: `make test` checks the docs while the suite runs in this environment, and
 # nothing may be installed into an environment a running test imports from.
@@ -52,10 +64,32 @@ test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 	$(XLA_VENV)/bin/python -m pytest -q tests/test_real_models.py -k resnet
 
+$(NEXT_VENV)/.dependencies: Makefile
+	test -x $(NEXT_VENV)/bin/python || $(PY) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/pip install $(PIP_QUIET) torch==$(NEXT_TORCH_VERSION) numpy pytest hypothesis scipy
+	touch $@
+
+# After $(XLA_VENV)'s (and so $(VENV)'s): one editable install at a time writes torchdi.egg-info.
+$(NEXT_VENV)/.installed: $(NEXT_VENV)/.dependencies $(XLA_VENV)/.installed setup.cfg pyproject.toml
+	$(NEXT_VENV)/bin/pip install $(PIP_QUIET) --no-deps -e .
+	touch $@
+
+# The version runs: the newest torch, and the oldest (the metadata's floor, torch 2.9).
+test-next: $(NEXT_VENV)/.installed
+	$(NEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS) -m "$(VERSION_MARKS)"
+
+test-oldest: $(XLA_VENV)/.installed
+	$(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VERSION_TESTS) -m "$(VERSION_MARKS)"
+
+# The CUDA tests (every backend, mode="reduce-overhead" CUDA graphs, State, sparse) in the
+# environment whose torch is a CUDA build; without a device they skip, saying so.
+test-gpu: $(NEXT_VENV)/.installed
+	$(NEXT_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests -m cuda
+
 # The parts at once (separate processes; the suites in separate environments): each suite is
 # mostly one busy core. Each part's output is printed whole when it ends.
 test:
-	$(MAKE) --no-print-directory -j5 --output-sync=target lint test-main test-xla docs-check
+	$(MAKE) --no-print-directory -j7 --output-sync=target lint test-main test-xla test-next test-oldest docs-check
 
 # The documentation site (Sphinx, docs/): warnings are errors.
 docs: $(VENV)/.installed

@@ -23,6 +23,11 @@ import torchdi as td
 
 REFERENCE = td.AutoAutograd()
 
+# Python arithmetic on a float context inside f (1.0 - c, math.sqrt(c)) stays symbolic from
+# torch 2.13 on (checked on 2.13.0 and 2.14.1); torch 2.9 specializes the float and recompiles
+# per value, as raw torch.compile does there.
+FLOAT_ARITHMETIC_TRACED = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
 
 def _compiler(name):
     if name == "inductor":
@@ -344,6 +349,9 @@ def test_strided_inputs_reuse_the_graph():
     ids=["one-minus", "bfloat16", "underflow", "math.sqrt", "0-d"],
 )
 def test_float_contexts_give_eager_results(f, x, c):
+    """Eager's results on every torch; no recompilation per value where torch traces Python
+    arithmetic on a symbolic float (torch 2.9 specializes it: raw torch.compile recompiles per
+    value there too, counted and logged, never stale)."""
     backend = td.AutoCompile(compiler="aot_eager")
     family = "gradient" if x.dim() else "derivative"
     prepare, op = getattr(td, f"prepare_{family}"), getattr(td, f"value_and_{family}")
@@ -354,7 +362,7 @@ def test_float_contexts_give_eager_results(f, x, c):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert prep.num_compilations == 1
+    assert prep.num_compilations == 1 or (not FLOAT_ARITHMETIC_TRACED and prep.num_compilations == 3)
 
 
 def test_preparation_sees_what_the_program_sees():

@@ -1,7 +1,11 @@
-"""Data-parallel training: a DDP wrapper inside f is refused; all_reduce_ in flat buckets."""
+"""Training across processes: DataParallel (replicated and FSDP2-sharded x) against DDP's and FSDP2's
+own loops on two gloo processes; refusals of the set-ups that would give wrong gradients;
+all_reduce_ in flat buckets."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -16,6 +20,12 @@ from torch.func import functional_call
 import torchdi as td
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_ddp.py"
+CHECKS = pathlib.Path(__file__).parent / "distributed_checks.py"
+# One pair of processes runs every two-process check (starting them is most of the time).
+TWO_PROCESS_CHECKS = (
+    "fsdp-mlp-autograd", "fsdp-mlp-autograd-unwrapped", "fsdp-mlp-func", "fsdp-mlp-compile", "fsdp-gpt2-func",
+    "ddp-mlp-autograd", "ddp-mlp-func", "ddp-mlp-compile", "ddp-gpt2-func", "errors",
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 
@@ -72,3 +82,174 @@ def test_two_process_gloo_training_matches_single_process_full_batch():
     assert "collective calls per step: 1\n" in done.stdout  # one flat bucket per step, counted by the profiler
     difference = float(done.stdout.split("max |param - single-process full batch|:")[1].split()[0])
     assert difference < 1e-5
+
+
+@pytest.mark.parametrize("backend", [td.AutoAutograd(), td.AutoFunc()], ids=str)
+def test_all_reduce_takes_expanded_gradients_of_a_linear_term(single_process_group, backend):
+    """d sum(x) is a stride-0 view of one number: reduced in place all the same (issue 23 item 10)."""
+    x = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    grads = td.gradient(lambda p: p["w"].sum() + (p["b"] ** 2).sum(), backend, x)
+    assert 0 in grads["w"].stride()  # the case that crashed: an expanded tensor
+    w_grad = grads["w"]
+    out = td.distributed.all_reduce_(grads)
+    assert out is grads and grads["w"] is w_grad  # the same tensor objects, now with their own memory
+    torch.testing.assert_close(grads["w"], torch.ones(3, 4))
+    torch.testing.assert_close(grads["b"], 2 * x["b"])
+    lone = td.gradient(lambda t: t.sum(), backend, torch.randn(5))
+    td.distributed.all_reduce_(lone, op="sum")
+    torch.testing.assert_close(lone, torch.ones(5))
+    lone.add_(1.0)  # writable: its elements no longer share one memory location
+    torch.testing.assert_close(lone, torch.full((5,), 2.0))
+
+
+def test_overlap_check_is_exact_on_common_layouts():
+    from torchdi.distributed import _overlaps
+
+    assert not _overlaps(torch.ones(3, 4)) and not _overlaps(torch.ones(3, 4).t()) and not _overlaps(torch.ones(6)[::2])
+    assert _overlaps(torch.ones(1).expand(3)) and _overlaps(torch.ones(3, 1).expand(3, 4))
+    assert _overlaps(torch.ones(10).as_strided((3, 3), (2, 1)))
+    assert not _overlaps(torch.ones(1, 1).expand(1, 1))
+
+
+@functools.cache
+def two_process_results() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHECKS.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(CHECKS), *TWO_PROCESS_CHECKS], env=env, capture_output=True, text=True, timeout=600)
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("CHECK "):
+            _, name, payload = line.split(" ", 2)
+            results[name] = json.loads(payload)
+    assert set(results) == set(TWO_PROCESS_CHECKS), done.stdout[-3000:] + done.stderr[-3000:]
+    return results
+
+
+def two_process(name: str) -> dict:
+    result = two_process_results()[name]
+    assert "exception" not in result, result.get("exception")
+    return result
+
+
+@pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.startswith("fsdp-")])
+def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
+    """10 Adam steps on an FSDP2-sharded MLP (uneven split) or tiny GPT-2: the parameters equal
+    eager FSDP2's loss.backward() loop; every gradient is a DTensor with its parameter's
+    placements, written by into_grad into .grad; the parameters moved."""
+    result = two_process(check)
+    assert result["difference"] <= 1e-5
+    assert result["moved"] > 1e-2  # not a zero gradient: the parameters moved as eager FSDP2's did
+    assert result["placements"]
+    assert result["compilations"] == (1 if check.endswith("compile") else 0)  # one program, no recompilation
+    if "mlp" in check and "unwrapped" not in check:
+        # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
+        # all-reduce) of the gradients, one all-reduce of the value, per step
+        assert result["collectives"] == {"gloo:all_gather": 1, "gloo:all_reduce": 2}
+
+
+@pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.startswith("ddp-")])
+def test_data_parallel_equals_ddp(check):
+    """10 SGD-momentum steps: DataParallel(backend) equals DistributedDataParallel's
+    loss.backward() loop; the value is the mean of the processes' losses."""
+    result = two_process(check)
+    assert result["difference"] <= 1e-5
+    assert result["value"] <= 1e-6
+    assert result["compilations"] == (1 if check.endswith("compile") else 0)
+    assert result["collectives"] == {"gloo:all_reduce": 1}  # one flat bucket, the value inside it
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fsdp_plain_functional_call_autograd",
+        "fsdp_plain_functional_call_func",
+        "fsdp_plain_functional_call_unwrapped_func",
+        "fsdp_helper_without_dataparallel_func",
+        "mixed_placements",
+        "ddp_module",
+        "hessian_refused",
+    ],
+)
+def test_bad_distributed_setups_get_clear_errors(case):
+    """FSDP2's hooks inside f (the zero-gradient trap), DTensors under torch.func without
+    DataParallel, mixed placements, a DDP module under DataParallel, a non-gradient operator."""
+    result = two_process("errors")[case]
+    assert result["ok"], result
+
+
+def test_data_parallel_outside_a_process_group_says_so():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        td.gradient(lambda x: (x**2).sum(), td.distributed.DataParallel(td.AutoFunc()), torch.ones(3))
+
+
+def test_data_parallel_is_a_hashable_validated_backend():
+    backend = td.distributed.DataParallel(td.AutoCompile())
+    assert backend == td.distributed.DataParallel(td.AutoCompile()) and hash(backend) == hash(td.distributed.DataParallel(td.AutoCompile()))
+    assert td.check_available(backend)
+    with pytest.raises(TypeError, match="backend must be"):
+        td.distributed.DataParallel(td.AutoSparse(td.AutoFunc()))
+    with pytest.raises(ValueError, match="op must be"):
+        td.distributed.DataParallel(td.AutoFunc(), op="max")
+
+
+def test_functional_call_is_torch_func_functional_call_without_fsdp():
+    model = nn.Linear(3, 2)
+    params = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    inputs = torch.randn(4, 3)
+    torch.testing.assert_close(td.distributed.functional_call(model, params, (inputs,)), functional_call(model, params, (inputs,)))
+    buffers: dict = {}
+    torch.testing.assert_close(td.distributed.functional_call(model, (params, buffers), (inputs,)), functional_call(model, (params, buffers), (inputs,)))
+
+
+def test_single_process_data_parallel_is_the_plain_gradient(single_process_group):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    params = dict(model.named_parameters())
+    data = torch.randn(5, 3)
+    want = td.gradient(loss_fn, td.AutoFunc(), params, td.Constant(model), td.Constant(data))
+    for backend in (td.AutoAutograd(), td.AutoFunc()):
+        got = td.gradient(loss_fn, td.distributed.DataParallel(backend), params, td.Constant(model), td.Constant(data))
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+
+
+@pytest.mark.slow
+def test_gpt2_compiled_fsdp2_and_data_parallel_equal_the_eager_loops():
+    """GPT-2 on AutoCompile: the gather, gradient and reduction in one compiled program (~1 min of CPU)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHECKS.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(CHECKS), "fsdp-gpt2-compile", "ddp-gpt2-compile"], env=env, capture_output=True, text=True, timeout=600)
+    results = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in done.stdout.splitlines() if line.startswith("CHECK ")}
+    assert set(results) == {"fsdp-gpt2-compile", "ddp-gpt2-compile"}, done.stdout[-3000:] + done.stderr[-3000:]
+    for result in results.values():
+        assert "exception" not in result, result.get("exception")
+        assert result["difference"] <= 1e-5 and result["compilations"] == 1
+    assert results["fsdp-gpt2-compile"]["placements"] and results["fsdp-gpt2-compile"]["moved"] > 1e-2
+
+
+@pytest.mark.slow
+def test_fsdp_example_matches_eager_fsdp2():
+    example = EXAMPLE.parent / "train_fsdp.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(example.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example), "--steps", "3"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gradient placements: (Shard(dim=0),)\n" in done.stdout
+    assert float(done.stdout.split("max |param - eager FSDP2|:")[1].split()[0]) < 1e-5
+
+
+def test_data_parallel_updates_state_buffers_once(single_process_group):
+    """Module buffers as a State under DataParallel: updated once per call, as by the wrapped backend."""
+    def bn_loss(params, buffers, model, inputs):
+        return functional_call(model, (params, buffers), (inputs,)).pow(2).mean()
+
+    results = []
+    for backend in (td.AutoFunc(), td.distributed.DataParallel(td.AutoFunc())):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        grads = td.gradient(bn_loss, backend, params, td.State(buffers), td.Constant(model), td.Constant(torch.randn(8, 3, generator=torch.Generator().manual_seed(1))))
+        results.append((grads, {n: b.clone() for n, b in buffers.items()}))
+    (want_g, want_b), (got_g, got_b) = results
+    assert int(got_b["1.num_batches_tracked"]) == 1
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name])
+    for name in want_b:
+        torch.testing.assert_close(got_b[name], want_b[name])

@@ -93,3 +93,33 @@ def test_into_grad_of_a_computed_tensor_is_refused_naming_it():
     params = {"scaled": weight * 2}  # a computed tensor: not what an optimizer holds
     with pytest.raises(ValueError, match=r"params\['scaled'\] is not a leaf tensor.*named_parameters"):
         td.into_grad(params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
+@pytest.mark.parametrize("partial", [False, True], ids=["all-params", "trainable-only"])
+def test_frozen_parameters_stay_frozen_as_with_backward(backend, partial):
+    """Fine-tuning with a frozen layer: the README recipe (all named parameters in x) leaves the
+    frozen ones' .grad None, as backward() does, so Adam does not move them (issue 23 item 4)."""
+    reference, model = make_model(), make_model()
+    for m in (reference, model):
+        m[0].weight.requires_grad_(False)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    frozen = model[0].weight.detach().clone()
+    named = dict(model.named_parameters())
+    params = {n: p for n, p in named.items() if p.requires_grad} if partial else named
+    prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data(16)))
+    for step in range(3):
+        batch = data(16, seed=step)
+        ref_opt.zero_grad()
+        loss_fn(dict(reference.named_parameters()), reference, batch).backward()
+        ref_opt.step()
+        optimizer.zero_grad()
+        grads = td.gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params))
+        assert reference[0].weight.grad is None and model[0].weight.grad is None
+        if not partial:
+            assert grads["0.weight"] is None  # what .grad holds, as for every other parameter
+        optimizer.step()
+    assert torch.equal(model[0].weight, frozen)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -24,6 +24,7 @@ __all__ = [
     "AutoSparse",
     "AutoXLA",
     "Backend",
+    "DataParallel",
     "MixedMode",
     "SecondOrder",
     "check_available",
@@ -51,15 +52,21 @@ class AutoFunc:
     Args:
         chunk_size: passed to ``jacrev``/``jacfwd`` to bound the memory of batched jacobians.
             ``None`` computes all rows at once.
+        mode: how jacobians are built: ``"forward"`` forces ``jacfwd`` (one column per input),
+            ``"reverse"`` forces ``jacrev`` (one row per output); ``None`` picks by shape
+            (forward when ``x`` has fewer elements than ``f(x)``).
     """
 
     chunk_size: int | None = None
+    mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and (
-            not isinstance(self.chunk_size, int) or self.chunk_size < 1
+            not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1
         ):
             raise ValueError(f"AutoFunc: chunk_size must be None or a positive int, got {self.chunk_size!r}")
+        if self.mode not in (None, "forward", "reverse"):
+            raise ValueError(f"AutoFunc: mode must be None, 'forward' or 'reverse', got {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -252,6 +259,57 @@ class AutoSparse:
             raise TypeError(f"AutoSparse: coloring must be GreedyColoring(...), got {self.coloring!r}")
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """Data-parallel training: ``backend``'s gradients reduced across the processes of ``group``.
+
+    Exported as ``torchdi.distributed.DataParallel``. Each process calls ``gradient`` or
+    ``value_and_gradient`` on its own batch; every process gets the gradient of the mean loss
+    (``op="mean"``, what ``DistributedDataParallel`` computes; ``"sum"``: of the sum), and
+    ``value_and_gradient``'s value is reduced the same way. Two kinds of ``x``:
+
+    - plain tensors (a replicated model, as with DDP): the gradients are all-reduced in flat
+      buckets (one collective per dtype for a small model);
+    - DTensors sharded by FSDP2 (``fully_shard``; ``x = dict(model.named_parameters())``): the
+      shards are all-gathered before ``f`` runs and the gradients reduce-scattered back, so
+      they come back as DTensors with the parameters' placements (FSDP2's own communication).
+      ``f`` calls ``torchdi.distributed.functional_call`` (which keeps FSDP2's hooks out).
+
+    On ``AutoCompile`` the collectives are inside the compiled program (traceable functional
+    collectives); on eager backends they run eagerly around the gradient.
+
+    Args:
+        backend: the backend that computes each process's gradient: ``AutoAutograd()``,
+            ``AutoFunc()``, ``AutoCompile(...)`` or ``AutoFiniteDiff(...)``.
+        group: the ``torch.distributed`` process group of plain-tensor ``x`` (``None``: the
+            default group). Sharded ``x`` uses its device mesh's group.
+        op: ``"mean"`` or ``"sum"``.
+
+    Example (in each process of ``python -m torch.distributed.run --nproc-per-node 2``)::
+
+        backend = torchdi.distributed.DataParallel(torchdi.AutoCompile())
+        loss, grads = torchdi.value_and_gradient(loss_fn, backend, params, torchdi.Constant(model),
+                                                 torchdi.Constant(local_batch), out=torchdi.into_grad(params))
+        optimizer.step()
+    """
+
+    backend: Backend
+    group: Any = None
+    op: Literal["mean", "sum"] = "mean"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, (AutoAutograd, AutoFunc, AutoCompile, AutoFiniteDiff)):
+            raise TypeError(
+                "DataParallel: backend must be AutoAutograd(), AutoFunc(), AutoCompile(...) or AutoFiniteDiff(...), "
+                f"got {self.backend!r}"
+            )
+        if self.op not in ("mean", "sum"):
+            raise ValueError(f'DataParallel: op must be "mean" or "sum", got {self.op!r}')
+
+    def __hash__(self) -> int:
+        return hash((DataParallel, self.backend, id(self.group) if self.group is not None else None, self.op))
+
+
 def _default_sparsity() -> Any:
     return TracerSparsity()
 
@@ -260,8 +318,8 @@ def _default_coloring() -> Any:
     return GreedyColoring()
 
 
-Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder | AutoSparse | MixedMode
-_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder, AutoSparse, MixedMode)
+Backend = AutoAutograd | AutoFunc | AutoCompile | AutoXLA | AutoFiniteDiff | SecondOrder | AutoSparse | MixedMode | DataParallel
+_BACKEND_TYPES = (AutoAutograd, AutoFunc, AutoCompile, AutoXLA, AutoFiniteDiff, SecondOrder, AutoSparse, MixedMode, DataParallel)
 
 
 def check_available(backend: Backend) -> bool:
@@ -287,6 +345,8 @@ def unavailable_reason(backend: Backend) -> str | None:
         return unavailable_reason(backend.inner)
     if isinstance(backend, AutoSparse):
         return unavailable_reason(backend.dense)
+    if isinstance(backend, DataParallel):
+        return unavailable_reason(backend.backend)
     if isinstance(backend, AutoXLA):
         if importlib.util.find_spec("torch_xla") is None:
             return "AutoXLA needs the 'torch_xla' package (pip install torchdi[xla]; torch-xla pins its torch version)"

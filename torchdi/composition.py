@@ -26,6 +26,7 @@ from torchdi.backends import (
     AutoSparse,
     AutoXLA,
     Backend,
+    DataParallel,
     SecondOrder,
 )
 from torchdi.errors import UnsupportedOperatorError
@@ -172,6 +173,8 @@ def state_refusal(family: str, backend: Backend, operator: str) -> UnsupportedOp
     """The error for a ``State`` context where its update would not happen exactly once, or ``None``."""
     if isinstance(backend, AutoSparse) and not FAMILIES[family].matrix:
         return state_refusal(family, backend.dense, operator)  # AutoSparse hands these to its dense backend
+    if isinstance(backend, DataParallel):  # each process updates its own State, as FSDP2 and DDP's forward do
+        return state_refusal(family, backend.backend, operator)
     inner = backend.inner if isinstance(backend, _COMPILED) else backend
     compiled_in_place = not isinstance(backend, AutoCompile) or backend.mode != "reduce-overhead"
     if FAMILIES[family].state and isinstance(inner, STATE_BACKENDS) and compiled_in_place:

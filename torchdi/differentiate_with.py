@@ -26,18 +26,22 @@ on compiled backends) once per signature.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
-from torch._functorch.utils import unwrap_dead_wrappers
+
+# (relcompile's JVP_NESTING count: a private functorch module, not fenced in engines/_dynamo.py yet)
+import torch._functorch.eager_transforms as functorch_transforms
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend, require_available
-from torchdi.contexts import Constant, Context, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.contexts import Constant, Context, State, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.engines._dynamo import apply_function, forward_ad_level, transforms_active
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.operators import (
     hvp,
@@ -125,6 +129,7 @@ class DifferentiateWith:
 
     def __call__(self, x: Any, *contexts: Context[Any]) -> Any:
         """``f(x, *values)``, differentiable with respect to ``x`` through ``backend``."""
+        _refuse_state(contexts, self.backend)
         values, mask = unwrap_contexts(contexts, "DifferentiateWith", first_position=1)  # 0-based: g(x, *contexts)
         kinds = tuple(type(c) for c in contexts)
         x_leaves, x_spec = _x_leaves(x)
@@ -177,17 +182,56 @@ class DifferentiateWith:
         return prep
 
     def _pullback(self, x: Any, ty: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-        prep = self._prepared("pullback", self.f, x, ty, contexts)
-        return pullback(self.f, self.backend, x, ty, *contexts, prep=prep)
+        with _backend_jvp_nests():
+            prep = self._prepared("pullback", self.f, x, ty, contexts)
+            return pullback(self.f, self.backend, x, ty, *contexts, prep=prep)
 
     def _pushforward(self, x: Any, tx: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
-        prep = self._prepared("pushforward", self.f, x, tx, contexts)
-        return pushforward(self.f, self.backend, x, tx, *contexts, prep=prep)
+        with _backend_jvp_nests():
+            prep = self._prepared("pushforward", self.f, x, tx, contexts)
+            return pushforward(self.f, self.backend, x, tx, *contexts, prep=prep)
 
     def _hvp(self, x: Any, u: Any, tx: tuple[Any, ...], contexts: tuple[Context[Any], ...]) -> tuple[Any, ...]:
         all_contexts = (Constant(u), *contexts)
-        prep = self._prepared("hvp", self._contracted, x, tx, all_contexts)
-        return hvp(self._contracted, self.backend, x, tx, *all_contexts, prep=prep)
+        with _backend_jvp_nests():
+            prep = self._prepared("hvp", self._contracted, x, tx, all_contexts)
+            return hvp(self._contracted, self.backend, x, tx, *all_contexts, prep=prep)
+
+
+def _refuse_state(contexts: tuple[Any, ...], backend: Backend) -> None:
+    """A ``State`` is updated by ``f`` exactly once per call; ``g`` evaluates ``f`` once for its value
+    and the backend evaluates it again for each derivative, so the update would repeat. Refused at
+    the call, before ``f`` runs and touches the state."""
+    for i, context in enumerate(contexts):
+        if isinstance(context, State):
+            raise UnsupportedOperatorError(
+                f"DifferentiateWith({backend!r}): context {i + 1} is a torchdi.State, which DifferentiateWith "
+                "does not take: g evaluates f for its value and the backend evaluates f again for each "
+                "derivative, so the state would be updated more than once per call. Pass it as a "
+                "torchdi.Constant (read only) and update the state outside g, or differentiate f directly "
+                "with torchdi.gradient/value_and_gradient, which take a State (updated exactly once per call)."
+            )
+
+
+@contextlib.contextmanager
+def _backend_jvp_nests() -> Iterator[None]:
+    """Let the backend's ``torch.func.jvp`` run inside the user's eager dual level.
+
+    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
+    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
+    tangents apart by functorch's own levels. Under eager forward AD (``fwAD.dual_level``) the
+    level is the user's: count it as an outer jvp, so that the backend's jvp (``AutoFunc``,
+    ``AutoCompile`` over it) nests in it as under ``torch.func.jvp``, instead of failing with
+    "Nested forward mode AD is not supported".
+    """
+    if forward_ad_level() < 0 or getattr(functorch_transforms, "JVP_NESTING", None) != 0:
+        yield
+        return
+    functorch_transforms.JVP_NESTING += 1
+    try:
+        yield
+    finally:
+        functorch_transforms.JVP_NESTING -= 1
 
 
 _PREPARE: dict[str, Callable[..., Prep]] = {
@@ -330,6 +374,53 @@ def _zeros_for_none(tangents: tuple[Any, ...], like: tuple[torch.Tensor, ...]) -
     return tuple(torch.zeros_like(p) if t is None else t for t, p in zip(tangents, like))
 
 
+def _no_materialized_zeros(ctx: Any, output: tuple[torch.Tensor, ...]) -> None:
+    """Keep absent tangents absent (``None``) instead of torch's materialized zeros.
+
+    A forward-mode transform passes a tangent for every input, zeros for those it does not
+    differentiate (a Constant's tensor): with zeros, a Constant could not be told from a
+    differentiated context. Cotangents of unused outputs come as ``None`` too; backward fills
+    them in from the outputs' metadata kept here.
+    """
+    ctx.set_materialize_grads(False)
+    ctx.output_meta = tuple((o.shape, o.dtype, o.device) for o in output)
+
+
+def _zeros_for_missing(ctx: Any, grads: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """The output cotangents, with zeros for the ones autograd left out (``None``)."""
+    if all(g is not None for g in grads):
+        return grads
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device) if g is None else g for g, (shape, dtype, device) in zip(grads, ctx.output_meta)
+    )
+
+
+def _legacy_batched(tensor: Any) -> bool:
+    """Whether ``tensor`` is batched by torch's legacy vmap (``torch._vmap_internals``), which
+    ``torch.autograd.functional.jacobian(vectorize=True)``, ``autograd.grad(is_grads_batched=True)``
+    and ``gradcheck(check_batched_grad=True)`` use (``torch.func.vmap``'s is ``FuncTorchBatched``).
+    Its dispatch key is not exposed as a ``DispatchKey`` member: read from the key set's repr (a
+    torch that prints it otherwise only loses the clear message, torch's own error remains)."""
+    keys = getattr(torch._C, "_dispatch_keys", None)
+    return isinstance(tensor, torch.Tensor) and keys is not None and _LEGACY_BATCHED.search(repr(keys(tensor))) is not None
+
+
+_LEGACY_BATCHED = re.compile(r"[(, ]Batched[,)]")
+
+
+def _refuse_legacy_batching(layout: _Layout, grads: tuple[Any, ...]) -> None:
+    """A backend cannot take torch's legacy batched tensors (a compiled program, a prepared buffer,
+    numpy): refuse with what works instead of torch's "Batching rule not implemented"."""
+    if any(_legacy_batched(g) for g in grads):
+        raise UnsupportedOperatorError(
+            f"DifferentiateWith({layout.owner.backend!r}): torch.autograd.functional.jacobian/hessian("
+            "vectorize=True), torch.autograd.grad(..., is_grads_batched=True) and gradcheck(check_batched_grad=True) "
+            "batch cotangents with torch's legacy vmap, which cannot pass through DifferentiateWith. Use "
+            "torch.func.jacrev/jacfwd/vmap (batched tangents reach the backend as one call), "
+            "vectorize=False / is_grads_batched=False, or a torchdi operator (torchdi.jacobian) on f."
+        )
+
+
 def _refuse_context_derivative(layout: _Layout, needs: tuple[bool, ...] | None, what: str) -> None:
     """Contexts are not differentiated: refuse instead of returning a silent zero."""
     if needs is None:
@@ -451,23 +542,13 @@ def _evaluate(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
 def _differentiable(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether anything may differentiate a call on ``tensors``: a torch.func transform, forward-mode
     AD, or eager autograd with an input that requires grad."""
-    if torch._C._are_functorch_transforms_active() or _forward_ad_level() >= 0:
+    if transforms_active() or forward_ad_level() >= 0:
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _forward_ad_level() -> int:
-    return int(getattr(fwAD, "_current_level", -1))
-
-
-def _apply(function: Any, *args: Any) -> Any:
-    """``function.apply(*args)``. Outside torch.func transforms, ``Function.apply`` only binds
-    default arguments with ``inspect.signature`` (70 us per call for setup_context-style Functions,
-    which have none here) before the C++ apply: call that directly. Under a transform the full path
-    (``custom_function_call``) is needed."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+# ``function.apply(*args)``, without Function.apply's Python argument binding where torch allows.
+_apply = apply_function
 
 
 class _Value(torch.autograd.Function):
@@ -485,13 +566,15 @@ class _Value(torch.autograd.Function):
         ctx.layout = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
+        _no_materialized_zeros(ctx, output)
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
         _refuse_context_derivative(layout, tuple(ctx.needs_input_grad[1 + layout.n_x :]), "gradient")
+        _refuse_legacy_batching(layout, cotangents)
         primals = ctx.saved_tensors
-        dx = _apply(_Pullback, layout, *primals, *cotangents)
+        dx = _apply(_Pullback, layout, *primals, *_zeros_for_missing(ctx, cotangents))
         return (None, *dx, *(None,) * layout.n_context)
 
     @staticmethod
@@ -523,10 +606,13 @@ class _Pullback(torch.autograd.Function):
         ctx.layout = inputs[0]
         ctx.save_for_backward(*inputs[1:])
         ctx.save_for_forward(*inputs[1:])
+        _no_materialized_zeros(ctx, output)
 
     @staticmethod
     def backward(ctx: Any, *w: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
+        _refuse_legacy_batching(layout, w)
+        w = _zeros_for_missing(ctx, w)
         saved = ctx.saved_tensors
         n = layout.n_primal
         primals, u = saved[:n], saved[n:]
@@ -588,10 +674,13 @@ class _Pushforward(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.layout = inputs[0]
         ctx.save_for_backward(*inputs[1:])
+        _no_materialized_zeros(ctx, output)
 
     @staticmethod
     def backward(ctx: Any, *u: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
+        _refuse_legacy_batching(layout, u)
+        u = _zeros_for_missing(ctx, u)
         saved = ctx.saved_tensors
         n = layout.n_primal
         primals, v = saved[:n], saved[n:]

@@ -131,7 +131,7 @@ _ROWS = (
     Family("pullback", "pullback", "value_and_pullback", "y", False, False, False, False, 1, PullbackResult),
     Family("derivative", "derivative", "value_and_derivative", None, True, False, False, True, 1, DerivativeResult),
     Family("gradient", "gradient", "value_and_gradient", None, False, False, True, True, 1, GradientResult, state=True, drops_value=True),
-    Family("jacobian", "jacobian", "value_and_jacobian", None, False, True, False, True, 1, JacobianResult, matrix=True),
+    Family("jacobian", "jacobian", "value_and_jacobian", None, False, False, False, False, 1, JacobianResult, matrix=True),
     Family(
         "second_derivative",
         "second_derivative",
@@ -145,7 +145,7 @@ _ROWS = (
         SecondDerivativeResult,
     ),
     Family("hvp", "hvp", "gradient_and_hvp", "x", False, False, True, True, 2, HvpResult),
-    Family("hessian", "hessian", "value_gradient_and_hessian", None, False, True, True, True, 2, HessianResult, matrix=True),
+    Family("hessian", "hessian", "value_gradient_and_hessian", None, False, False, False, False, 2, HessianResult, matrix=True),
 )
 
 #: Every family by name, in the order of DESIGN.md.

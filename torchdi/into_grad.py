@@ -59,6 +59,10 @@ class IntoGrad:
                 )
         with torch.no_grad():
             for param, grad in zip(self.leaves, leaves):
+                if not param.requires_grad:
+                    # A frozen parameter: backward() leaves its .grad alone (None), so an
+                    # optimizer skips it; writing one would make optimizer.step() move it.
+                    continue
                 if grad.shape != param.shape:
                     raise ValueError(f"{operator}: out=into_grad(params): a gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(param.shape)}")
                 current = param.grad
@@ -86,6 +90,12 @@ def into_grad(params: Any, accumulate: bool = True) -> IntoGrad:
     it (``accumulate=True``, what ``loss.backward()`` does) or copied over it
     (``accumulate=False``). Gradient accumulation over micro-batches is therefore the
     ``backward()`` loop with ``loss.backward()`` replaced, with no copy per micro-batch.
+
+    Frozen parameters (``requires_grad=False``) are left alone, as ``backward()`` leaves them:
+    their ``.grad`` stays what it was (``None``), so the optimizer does not move them, and the
+    operator returns that ``.grad`` for them. To skip computing their gradient as well, leave
+    them out of ``x``: ``{n: p for n, p in model.named_parameters() if p.requires_grad}`` (a
+    ``functional_call`` with a partial dict uses the module's own tensors for the rest).
 
     Args:
         params: the parameters, with the structure of ``x`` (e.g. ``dict(model.named_parameters())``).

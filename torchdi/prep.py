@@ -176,9 +176,11 @@ class Prep:
         "backend",
         "call",
         "f",
+        "has_aux",
         "keep_static",
         "operator",
         "output_shape",
+        "point",
         "reads_tracked",
         "rebuild",
         "runner",
@@ -217,6 +219,10 @@ class Prep:
         self.reads_tracked = False
         self.rebuild: Callable[[bool, bool], Callable[..., Any]] | None = None
         self.transparent_runners: dict[tuple[bool, bool], Callable[..., Any]] = {}
+        # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
+        self.has_aux = False
+        # A same-point preparation's point (prepare_*_same_point): checked on every call.
+        self.point: Any = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

@@ -110,6 +110,9 @@ class Spec:
     needs_value: bool = True
     inside_forward_mode: bool = False
     state_contexts: tuple[int, ...] = ()
+    # f returns (y, aux) and the runner returns (y, aux) as its value (has_aux=True, engines
+    # that carry aux through their own transforms).
+    has_aux: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +333,13 @@ def zero_runner(family: str, f: BoundFunction, spec: Spec) -> Runner:
             return y, torch.zeros((*spec.y.shapes[0], *spec.x.shapes[0]), dtype=spec.y.dtypes[0], device=device)
         if family == "hessian":
             x_shape = tuple(spec.x.shapes[0])
+            if torch.Size(spec.y.shapes[0]).numel() != 1:  # a non-scalar f: its jacobian and y-by-x-by-x zeros
+                y_shape = tuple(spec.y.shapes[0])
+                return (
+                    y,
+                    torch.zeros(y_shape + x_shape, dtype=spec.y.dtypes[0], device=device),
+                    torch.zeros(y_shape + x_shape + x_shape, dtype=spec.y.dtypes[0], device=device),
+                )
             return y, zeros(spec.x, device), torch.zeros(x_shape + x_shape, dtype=spec.x.dtypes[0], device=device)
         if family == "derivative":
             return y, torch.zeros_like(y)

@@ -14,10 +14,11 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "Static",
     "copyfrom",
+    "keep_float_factories_traced",
     "copyto_",
+    "float_positions",
     "ravel",
     "to_device_tensor",
-    "translate_contexts",
     "unravel",
 ]
 
@@ -70,8 +71,8 @@ def to_device_tensor(obj: Any, device: Device) -> Any:
     - tensors go to ``device`` (no copy when already there);
     - numpy arrays and numpy scalars become tensors;
     - Python ``float``/``complex`` become 0-d float64/complex128 tensors (traced: a new value
-      does not recompile; compiled backends then narrow them to the precision of ``x``, as a
-      Python scalar combines with ``x``);
+      does not recompile; compiled programs hand floats back to ``f`` as Python floats, see
+      ``float_positions``);
     - Python ``int``, ``bool``, ``str``, ``None`` and unknown objects stay as they are (static:
       partially evaluated into the program, as sizes and bounds should be);
     - tuples, lists, dicts and namedtuples are walked.
@@ -109,7 +110,7 @@ def _(obj: np.generic, device: Device) -> torch.Tensor:
     return torch.as_tensor(obj, device=device)
 
 
-# Exact values (float64, complex128); engines narrow them to the precision of x (translate_contexts).
+# Exact values (float64, complex128); compiled programs turn floats back into Python floats (float_positions).
 @to_device_tensor.register(float)
 def _(obj: float, device: Device) -> torch.Tensor:
     return torch.tensor(obj, dtype=torch.float64, device=device)
@@ -146,28 +147,92 @@ def _(obj: dict, device: Device) -> dict:
     return translated if type(obj) is dict else type(obj)(translated)
 
 
-def translate_contexts(contexts: Any, device: Device, precision_of: Any) -> Any:
-    """``to_device_tensor(contexts, device)``, with Python floats in the precision of ``precision_of``.
+def float_positions(values: Any) -> tuple[int, ...]:
+    """The positions of Python floats among the flat leaves of ``values``.
 
-    A Python float meets ``x`` as a scalar: ``x`` keeps its dtype. A float64 0-d tensor would
-    promote 0-d float32 arithmetic to float64 instead, and a float32 one would round the value
-    in float64 programs; so the exact translation is narrowed to ``x``'s (real) dtype.
+    The one float policy of the compiled backends (rule 8): ``to_device_tensor`` turns a Python
+    float into an exact float64 0-d tensor (a program input, so a new value does not recompile),
+    and the program turns it back into a Python float (``.item()``: a symbolic float to dynamo)
+    before ``f`` sees it. ``f`` then does its Python arithmetic on it in double precision and
+    combines it with tensors by eager's wrapped-number rule (``x * c`` keeps ``x``'s dtype), as
+    eager code does. These are the positions to turn back.
+
+    Args:
+        values: a pytree (the contexts' values).
+
+    Returns:
+        The flat positions (``pytree.tree_leaves`` order) of the leaves that are Python floats.
+
+    Example::
+
+        >>> torchdi.translate.float_positions((0.5, {"n": 3, "lr": 1e-3}, torch.ones(2)))
+        (0, 2)
     """
-    translated = to_device_tensor(contexts, device)
-    leaf = next((t for t in pytree.tree_leaves(precision_of) if isinstance(t, torch.Tensor)), None)
-    if leaf is None or not (leaf.is_floating_point() or leaf.is_complex()):
-        return translated
-    real = leaf.real.dtype if leaf.is_complex() else leaf.dtype
-    originals, spec = pytree.tree_flatten(contexts)
-    leaves, translated_spec = pytree.tree_flatten(translated)
-    if spec != translated_spec:  # a user translation changed the structure: leave it alone
-        return translated
-    complex_of_real = torch.complex128 if real == torch.float64 else torch.complex64
-    narrowed = [
-        t.to(real if type(o) is float else complex_of_real) if type(o) in (float, complex) and isinstance(t, torch.Tensor) else t
-        for o, t in zip(originals, leaves)
-    ]
-    return pytree.tree_unflatten(narrowed, spec)
+    return tuple(i for i, leaf in enumerate(pytree.tree_leaves(values)) if isinstance(leaf, float))
+
+
+def _float_factories() -> frozenset[Any]:
+    factories = {torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.full, torch.full_like}
+    # dynamo records torch.tensor(<symbolic float>) as the reference implementation's call
+    reference = getattr(getattr(torch, "_refs", None), "tensor", None)
+    if reference is not None:
+        factories.add(reference)
+    return frozenset(factories)
+
+
+_FLOAT_FACTORIES = _float_factories()
+
+
+def keep_float_factories_traced(graph: torch.fx.GraphModule) -> int:
+    """Rewrite tensors made from a traced float into products, so the float stays traced.
+
+    A compiled ``f`` receives a Python-float context as a symbolic float (rule 8). Arithmetic
+    with tensors keeps it symbolic (``x * c``), but torch's compiler specializes a float that a
+    factory turns into a tensor (``torch.tensor(c)``, ``torch.as_tensor(c)``,
+    ``torch.scalar_tensor(c)``, ``torch.full(size, c)``, ``torch.full_like(x, c)``), and then
+    recompiles for each new value. Made as ``ones(..., dtype) * c`` instead, the tensor has the
+    same value (``c`` rounded once to the factory's dtype), dtype and device, and ``c`` stays an
+    input of the program. Only float32 and float64 results made from a symbolic float, with no
+    keyword but ``dtype`` and ``device``, are rewritten.
+
+    Args:
+        graph: the graph dynamo hands a ``torch.compile`` backend (``example_value`` metadata).
+
+    Returns:
+        How many calls were rewritten (the graph is recompiled when any was).
+
+    Example::
+
+        >>> # inside a backend: torchdi.translate.keep_float_factories_traced(gm); then compile gm
+    """
+    rewritten = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target not in _FLOAT_FACTORIES or set(node.kwargs) - {"dtype", "device"}:
+            continue
+        shaped = node.target in (torch.full, torch.full_like)
+        if len(node.args) != (2 if shaped else 1):
+            continue
+        value, result = node.args[-1], node.meta.get("example_value")
+        if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("example_value"), torch.SymFloat):
+            continue
+        # float32/float64 only: 1 * c rounds c once to them, as the factory does (a half-precision
+        # product could round twice, through float32).
+        if not isinstance(result, torch.Tensor) or result.dtype not in (torch.float32, torch.float64):
+            continue
+        options: dict[str, Any] = {"dtype": result.dtype, "device": result.device}
+        with graph.graph.inserting_before(node):
+            if node.target is torch.full_like:
+                ones = graph.graph.call_function(torch.ones_like, (node.args[0],), options)
+            else:
+                ones = graph.graph.call_function(torch.ones, (node.args[0] if shaped else (),), options)
+            product = graph.graph.call_function(torch.mul, (ones, value))
+        ones.meta["example_value"] = product.meta["example_value"] = result
+        node.replace_all_uses_with(product)
+        graph.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.recompile()
+    return rewritten
 
 
 def _flatten_pair(dst: Any, src: Any, what: str) -> tuple[list[Any], list[Any]]:

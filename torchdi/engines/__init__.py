@@ -11,6 +11,7 @@ from __future__ import annotations
 from torchdi.engines import (  # noqa: F401  (imported for their registration)
     autograd,
     compile,
+    data_parallel,
     finitediff,
     func,
     mixed,

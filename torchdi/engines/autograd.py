@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd
+from torchdi.engines._dynamo import forward_ad_level
 from torchdi.engines.base import like_primal
 from torchdi.runners import register_engine
 
@@ -28,7 +29,7 @@ def _is_tracked(leaf: torch.Tensor) -> bool:
     if leaf.requires_grad:
         return True
     # Only inside a dual level can a tensor carry a forward-mode tangent (unpacking costs a call).
-    return getattr(fwAD, "_current_level", 0) >= 0 and fwAD.unpack_dual(leaf).tangent is not None
+    return forward_ad_level() >= 0 and fwAD.unpack_dual(leaf).tangent is not None
 
 
 def _track(x: Any, outer: bool) -> tuple[Any, list[torch.Tensor], bool]:

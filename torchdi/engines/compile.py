@@ -33,10 +33,25 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.composition import refuse_compiled_double_backward
+from torchdi.engines._dynamo import (
+    GRAPH_BREAK_ERRORS,
+    RECOMPILE_LIMIT,
+    DynamoCache,
+    compile_function,
+    compiler_for,
+    config_value,
+    forget_float_specializations,
+    fresh_entry_point,
+    release,
+)
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner, register_engine
-from torchdi.translate import copyto_, to_device_tensor
+from torchdi.translate import (
+    copyto_,
+    float_positions,
+    keep_float_factories_traced,
+    to_device_tensor,
+)
 
 __all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
@@ -51,35 +66,20 @@ def _logging_calls() -> set[Any]:
 
 
 def _dynamo_settings() -> dict[str, Any]:
-    """The dynamo settings every compilation of a preparation runs under."""
-    config = torch._dynamo.config
+    """The dynamo settings every compilation of a preparation runs under (``_dynamo`` leaves
+    out, with one warning, a knob this torch does not have)."""
     # A logging call is a graph break in dynamo, and real model code logs (transformers' losses
     # do): the compiled program skips such calls; f's eager run at preparation logs. (The knob's
     # name before torch 2.10: ignore_logger_methods.)
-    logging_knob = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
-    settings: dict[str, Any] = {
+    logging_knob = "ignore_logging_functions" if config_value("ignore_logging_functions", None) is not None else "ignore_logger_methods"
+    return {
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
         "capture_scalar_outputs": True,
-        **RECOMPILE_LIMITS,
-        logging_knob: set(getattr(config, logging_knob)) | _logging_calls(),
+        "recompile_limit": RECOMPILE_LIMIT,
+        "accumulated_recompile_limit": RECOMPILE_LIMIT,
+        logging_knob: set(config_value(logging_knob, ())) | _logging_calls(),
     }
-    return settings
-
-
-def _forget_float_specializations() -> None:
-    """Empty dynamo's record of the symbolic floats it had to specialize.
-
-    Dynamo keeps that record by symbol name ("zf0") in a process-wide set that outlives the
-    frame it was made for, so the first float of a later, unrelated compilation is specialized
-    too (and then recompiles on every new value). It is only meant for the restarts within one
-    compilation, which happen inside dynamo, between these calls.
-    """
-    try:
-        from torch._dynamo.symbolic_convert import TensorifyState
-    except ImportError:  # an older torch without symbolic floats
-        return
-    TensorifyState.clear()
 
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
@@ -145,13 +145,13 @@ class _CountingCompiler:
         self.owner = weakref.ref(owner)
         options = dict(backend.options) if backend.options else None
         if backend.compiler == "inductor":
-            self.compiler: Any = torch._TorchCompileInductorWrapper(backend.mode, inductor_options(options), backend.dynamic)
-        else:
-            self.compiler = torch._TorchCompileWrapper(backend.compiler, backend.mode, options, backend.dynamic)
+            options = inductor_options(options)
+        self.compiler: Any = compiler_for(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # Counted once compiled: dynamo may abandon an attempt midway (RestartAnalysis) and trace again.
+        keep_float_factories_traced(graph)  # rule 2: torch.tensor(c) of a float context stays traced
         compiled = self.compiler(graph, example_inputs)
         owner = self.owner()
         if owner is not None:
@@ -174,11 +174,6 @@ def translated(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """``to_device_tensor`` applied leaf by leaf (the pytree structure is kept as it is)."""
     leaves, spec = pytree.tree_flatten(values)
     return pytree.tree_unflatten([to_device_tensor(leaf, None) for leaf in leaves], spec)
-
-
-def float_positions(values: tuple[Any, ...]) -> tuple[int, ...]:
-    """The positions of Python floats among the flat leaves of ``values``."""
-    return tuple(i for i, leaf in enumerate(pytree.tree_leaves(values)) if isinstance(leaf, float))
 
 
 def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
@@ -211,7 +206,7 @@ class CompiledRunner:
         name: the user's function, for messages.
     """
 
-    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str) -> None:
+    def __init__(self, runner: Any, backend: AutoCompile, family: str, function_name: str, state_contexts: tuple[int, ...] = ()) -> None:
         self.num_compilations = 0
         self.num_graphs = 0
         self.num_ops = 0
@@ -221,6 +216,9 @@ class CompiledRunner:
         self.inner = runner
         self.translate = True
         self.float_positions: tuple[int, ...] = ()
+        # The positions of the State contexts: f updates them in place, and a State tensor
+        # copied to the compiled layout must have its update copied back.
+        self.state_contexts = state_contexts
         self.autocast: dict[str, torch.dtype] = {}
         self._cache: DynamoCache | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
@@ -267,7 +265,7 @@ class CompiledRunner:
         entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": inner})
         self._entry_holder.append(entry)
         self._cache = DynamoCache(entry)
-        self._compiled = torch.compile(
+        self._compiled = compile_function(
             entry,
             backend=self._compiler,
             fullgraph=self.backend.fullgraph,
@@ -287,7 +285,7 @@ class CompiledRunner:
             # variant is prepared on its first call, inside a user's fail_on_recompile block).
             with torch.compiler.set_stance("default"):
                 self._through_dynamo(x, tangents, contexts)
-        except torch._dynamo.exc.Unsupported as error:
+        except GRAPH_BREAK_ERRORS as error:
             reason = str(error).strip().splitlines()
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
@@ -308,6 +306,25 @@ class CompiledRunner:
                 f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
                 f"compiler on this graph, not of f): {failure}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
+        except torch._dynamo.exc.UserError as error:
+            # Dynamo's refusals of the function itself, the data-dependent guard above all
+            # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
+            # average 1 / num_batches_tracked): as unsupported as a graph break.
+            reason = str(error).strip().splitlines()
+            fallback = (
+                "AutoCompile(fullgraph=False) (which runs what dynamo cannot capture eagerly), or "
+                if self.backend.fullgraph
+                else ""
+            )
+            raise RuntimeError(
+                f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot compile the "
+                f"{self.name}: {' '.join(reason[:4])}\n"
+                "The function needs a tensor's value while it is traced (a data-dependent expression: "
+                "a Python number computed from a tensor, or a branch on one; BatchNorm with momentum=None "
+                "divides by its num_batches_tracked buffer). Keep such values in tensor operations "
+                "(e.g. BatchNorm with a numeric momentum), or use "
+                f"{fallback}an eager backend: AutoFunc() or AutoAutograd()."
+            ) from error
         self.prepared = True
         if self.num_ops == 0:
             logger.warning(
@@ -315,7 +332,7 @@ class CompiledRunner:
                 "everywhere). Run it with fullgraph=True to see why.",
                 self.name,
             )
-        elif self.num_graphs > 1 or not self.fast_path:
+        elif self.num_graphs > 1 or (not self.fast_path and self._cache is not None and self._cache.readable):
             logger.warning(
                 "torchdi: AutoCompile captured the %s in %d graph(s) of %d operation(s) in all; graph "
                 "breaks leave the rest to eager Python, and every call goes through dynamo. "
@@ -330,12 +347,12 @@ class CompiledRunner:
         assert self._cache is not None  # made by warm_up, before the first call
         if self.owns_buffers and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
             torch.compiler.cudagraph_mark_step_begin()
-        _forget_float_specializations()
+        forget_float_specializations()
         try:
             arguments = (x, tangents, contexts)
             return self._cache.call(self._compiled, arguments, dict(zip(("x", "tangents", "contexts"), arguments)), _dynamo_settings())
         finally:
-            _forget_float_specializations()
+            forget_float_specializations()
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -365,8 +382,19 @@ class CompiledRunner:
             dense = _contiguous((x, tangents, contexts))
             transformed = cache.lookup({"x": dense[0], "tangents": dense[1], "contexts": dense[2]})
             if transformed is not None:
-                return transformed(*dense)
+                result = transformed(*dense)
+                self._copy_back_states(contexts, dense[2])
+                return result
         return self._finish(self._through_dynamo(x, tangents, contexts))
+
+    def _copy_back_states(self, given: tuple[Any, ...], ran_on: tuple[Any, ...]) -> None:
+        """Write the updates f made to contiguous copies of State tensors into the caller's tensors
+        (once per call, as eager training updates them)."""
+        with torch.no_grad():
+            for i in self.state_contexts:
+                for mine, copy in zip(pytree.tree_leaves(given[i]), pytree.tree_leaves(ran_on[i])):
+                    if isinstance(mine, torch.Tensor) and copy is not mine:
+                        mine.copy_(copy)
 
     def _finish(self, result: Any) -> Any:
         if self.owns_buffers:
@@ -402,7 +430,7 @@ class CompileEngine:
     def build(self, family: str, f: Any, spec: Any) -> Any:
         refuse_compiled_double_backward(self.backend, family, spec)
         inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)))
+        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
 
     @staticmethod
     def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -89,11 +89,73 @@ class FuncEngine:
 
     def __init__(self, backend: AutoFunc) -> None:
         self.chunk_size = backend.chunk_size
+        self.mode = backend.mode
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         if family in ("jacobian", "hessian") and any(d.is_complex for d in (*spec.x.dtypes, *spec.y.dtypes)):
             return None  # jacrev/jacfwd refuse complex tensors: the generic fallback takes columns by jvp
+        if getattr(spec, "has_aux", False):
+            return getattr(self, f"_{family}_with_aux")(f, spec)
         return getattr(self, f"_{family}")(f, spec)
+
+    # has_aux=True: f returns (y, aux); torch.func's own has_aux carries aux out of the
+    # transform, and the runner returns (y, aux) as its value.
+
+    def _pullback_with_aux(self, f: Any, spec: Any) -> Any:
+        def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            y, vjp_fn, aux = cast(tuple[Any, Any, Any], vjp(lambda x_: f(x_, contexts), x, has_aux=True))
+            (dx,) = vmap(vjp_fn, randomness=_RANDOMNESS)(ty)
+            return (y, aux), dx
+
+        return run
+
+    def _pushforward_with_aux(self, f: Any, spec: Any) -> Any:
+        def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            def along(t: Any) -> tuple[Any, Any, Any]:
+                y, dy, aux = cast(tuple[Any, Any, Any], jvp(lambda x_: f(x_, contexts), (x,), (t,), has_aux=True))
+                return y, _like_primal(dy, y), aux
+
+            out_dims: Any = (None, 0, None)
+            y, dy, aux = vmap(along, out_dims=out_dims, randomness=_RANDOMNESS)(tx)
+            return (y, aux), dy
+
+        return run
+
+    def _derivative_with_aux(self, f: Any, spec: Any) -> Any:
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            y, dy, aux = cast(tuple[Any, Any, Any], jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),), has_aux=True))
+            return (y, aux), _like_primal(dy, y)
+
+        return run
+
+    def _gradient_with_aux(self, f: Any, spec: Any) -> Any:
+        y_shape = spec.y.shapes[0]
+
+        def scalar_and_aux(x_: Any, c: tuple[Any, ...]) -> tuple[Any, Any]:
+            y, aux = f(x_, c)
+            return _scalar(y), aux
+
+        def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            g, (y, aux) = grad_and_value(scalar_and_aux, has_aux=True)(x, contexts)
+            return (y.reshape(y_shape), aux), g
+
+        return run
+
+    def _jacobian_with_aux(self, f: Any, spec: Any) -> Any:
+        forward = spec.x.numel < spec.y.numel if self.mode is None else self.mode == "forward"
+
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+            def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
+                y, aux = f(x_, contexts)
+                return y, (y, aux)
+
+            if forward:
+                jac, value = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
+            else:
+                jac, value = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
+            return value, jac
+
+        return run
 
     def _pullback(self, f: Any, spec: Any) -> Any:
         single = spec.n_tangents == 1
@@ -165,8 +227,9 @@ class FuncEngine:
         return run
 
     def _jacobian(self, f: Any, spec: Any) -> Any:
-        # Reverse mode builds one row per output, forward mode one column per input.
-        forward = spec.x.numel < spec.y.numel
+        # Reverse mode builds one row per output, forward mode one column per input; the
+        # backend's mode= forces one.
+        forward = spec.x.numel < spec.y.numel if self.mode is None else self.mode == "forward"
 
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
@@ -204,17 +267,43 @@ class FuncEngine:
 
     def _hessian(self, f: Any, spec: Any) -> Any:
         y_shape = spec.y.shapes[0]
+        # The outer level differentiates the gradient (or jacobian): forward mode unless the
+        # backend asks for reverse mode or bounds the batch with chunk_size (jacrev's option).
+        outer_reverse = self.mode == "reverse" or (self.mode is None and self.chunk_size is not None)
+        if torch.Size(y_shape).numel() != 1:
+            return self._hessian_of_vector(f, spec, outer_reverse)
 
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             def gradient_with_value(x_: torch.Tensor) -> tuple[Any, Any]:
                 g, y = grad_and_value(lambda x__: _scalar(f(x__, contexts)))(x_)
                 return g, (g, y)
 
-            if self.chunk_size is None:
+            if not outer_reverse:
                 hess, (g, y) = jacfwd(gradient_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
             return y.reshape(y_shape), g, hess
+
+        return run
+
+    def _hessian_of_vector(self, f: Any, spec: Any, outer_reverse: bool) -> Any:
+        """``torch.func.hessian`` of a non-scalar ``f``: ``jacfwd(jacrev(f))``, one batched program,
+        shape ``y.shape + x.shape + x.shape``; the "gradient" is the jacobian."""
+
+        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
+                y = f(x_, contexts)
+                return y, y
+
+            def jacobian_with_value(x_: torch.Tensor) -> tuple[Any, Any]:
+                jac, y = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x_)
+                return jac, (jac, y)
+
+            if not outer_reverse:
+                hess, (jac, y) = jacfwd(jacobian_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
+            else:
+                hess, (jac, y) = jacrev(jacobian_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
+            return y, jac, hess
 
         return run
 

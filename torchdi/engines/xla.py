@@ -3,16 +3,17 @@
 Preparation compiles ``torch.compile(runner, backend="openxla")``: dynamo captures the runner
 (the same one ``AutoCompile`` compiles) in one graph, torch-xla lowers it to an XLA program
 once, and every later call only runs the cached program (``_run_cached_graph``). Calls are as
-sound as raw ``torch.compile`` (rule 7), as on ``AutoCompile`` (``dynamo_cache``): each call
+sound as raw ``torch.compile`` (rule 7), as on ``AutoCompile`` (``_dynamo``): each call
 evaluates dynamo's guards for the preparation's cache entries (globals, closure cells,
 attributes, grad mode ...) and runs dynamo's transformed code for the entry whose guards pass,
 without ``torch.compile``'s per-call wrapper; a failed guard recompiles through
 ``torch.compile``, is counted and logged with the guard that failed, and a result is never stale.
 
 What is traced follows ``AutoCompile``'s one rule: each leaf of ``x``, the tangents and the
-contexts goes through ``translate_contexts``/``to_device_tensor``; tensors are graph inputs
-(new values never recompile), anything else is static. Three details keep it that way on
-torch-xla (measured on torch-xla 2.9's CPU client):
+contexts goes through ``to_device_tensor``; tensors are graph inputs (new values never
+recompile), anything else is static. Python floats travel as exact float64 values and reach
+``f`` as (symbolic) Python floats, as on ``AutoCompile`` (``translate.float_positions``).
+Three details keep it that way on torch-xla (measured on torch-xla 2.9's CPU client):
 
 - A 0-d tensor equal to 0 or 1 becomes a compile-time constant on an XLA device (and is then
   synced by the bridge on every call): 0-d leaves travel as shape-(1,) device buffers and are
@@ -45,14 +46,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc, AutoXLA, xla_device_problem
+from torchdi.engines import _xla_private
+from torchdi.engines._dynamo import (
+    RECOMPILE_LIMIT,
+    DynamoCache,
+    compile_function,
+    forget_float_specializations,
+    fresh_entry_point,
+    release,
+)
 from torchdi.engines.base import ALL_FAMILIES
-from torchdi.engines.dynamo_cache import RECOMPILE_LIMITS, DynamoCache, fresh_entry_point, release
 from torchdi.runners import build_runner, register_engine
-from torchdi.translate import to_device_tensor, translate_contexts
+from torchdi.translate import float_positions, keep_float_factories_traced, to_device_tensor
 
 __all__ = ["XLAEngine", "XLARunner", "xla_device_problem"]
 
 logger = logging.getLogger("torchdi")
+
+# The dynamo settings every call through torch.compile of a preparation's entry point runs under.
+_RECOMPILE_LIMITS = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
 
 
 def _uncached_compiles() -> int:
@@ -92,21 +104,32 @@ class _CountingOpenXLA:
     """
 
     def __init__(self, owner: XLARunner) -> None:
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.torchxla import openxla_eval_boxed
-
         self.owner = weakref.ref(owner)  # the runner owns this compiler, not the reverse
-        self._openxla_eval_boxed = openxla_eval_boxed
-        from torch._decomp import get_decompositions
-
+        found = _xla_private.hooks()
+        if found.aot_autograd is None or found.openxla_eval_boxed is None or found.get_decompositions is None:
+            # Public path: torch.compile(graph, backend="openxla"). Its forward graph cannot be
+            # inspected, so every program is taken as random (seeded each call: same results).
+            _xla_private.warn_off("openxla_parts")
+            self._openxla_eval_boxed: Any = None
+            self._aot: Any = self._public
+            return
+        self._openxla_eval_boxed = found.openxla_eval_boxed
         # torch-xla lowers batch norm's backward only in training mode (an eval-mode BatchNorm
         # fails with "size of mean should be compatible"): decompose it into elementwise ops.
-        self._aot = aot_autograd(
+        self._aot = found.aot_autograd(
             fw_compiler=self._forward,
-            decompositions=get_decompositions([torch.ops.aten.native_batch_norm_backward]),
+            decompositions=found.get_decompositions([torch.ops.aten.native_batch_norm_backward]),
         )
 
+    def _public(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        owner = self.owner()
+        if owner is not None:
+            owner.random = True
+        compiled = torch.compile(graph, backend="openxla", fullgraph=True, dynamic=False)
+        return lambda *args: compiled(*args)
+
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        keep_float_factories_traced(graph)  # rule 2: torch.tensor(c) of a float context stays traced
         compiled = self._aot(graph, example_inputs)
         owner = self.owner()
         if owner is not None:
@@ -184,17 +207,20 @@ def _entry_template(*leaves: Any) -> Any:
     items = list(leaves)
     for slot in scalar_slots:  # type: ignore[name-defined]  # noqa: F821  (the entry's own globals)
         items[slot] = items[slot].view(())
+    for slot in float_slots:  # type: ignore[name-defined]  # noqa: F821  (Python floats, in double precision)
+        items[slot] = items[slot].item()
     x, tangents, contexts = tree_unflatten(items, spec)  # type: ignore[name-defined]  # noqa: F821
     with functorch_safe_pooling():  # type: ignore[name-defined]  # noqa: F821
         return runner(x, tangents, contexts)  # type: ignore[name-defined]  # noqa: F821
 
 
-def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...]) -> Any:
+def _graph_entry(runner: Any, spec: pytree.TreeSpec, scalar_slots: tuple[int, ...], float_slots: tuple[int, ...]) -> Any:
     """``entry(*leaves)`` for one preparation: a code object and globals of its own."""
     names = {
         "runner": runner,
         "spec": spec,
         "scalar_slots": scalar_slots,
+        "float_slots": float_slots,
         "tree_unflatten": pytree.tree_unflatten,
         "functorch_safe_pooling": _FunctorchSafePooling,
     }
@@ -289,6 +315,7 @@ class XLARunner:
         self.buffers: list[torch.Tensor | None] | None = None
         self.replicas: dict[int, _ModuleReplica] = {}
         self.scalar_slots: tuple[int, ...] = ()
+        self.float_slots: tuple[int, ...] = ()  # Python-float contexts, handed back to f as floats
         self.state_contexts = state_contexts
         # Flat positions of the State contexts' tensors: f updates the device copies in place,
         # and the call writes them back into the caller's host tensors.
@@ -315,10 +342,11 @@ class XLARunner:
         self.translate = any(
             not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf for leaf in pytree.tree_leaves(contexts)
         )
-        translated = translate_contexts(contexts, None, x)
+        translated = to_device_tensor(contexts, None)
         leaves, spec = pytree.tree_flatten((x, tangents, translated))
         self._spec = spec
         offset = len(pytree.tree_leaves((x, tangents)))
+        self.float_slots = tuple(offset + i for i in float_positions(contexts))
         slots: list[int] = []
         for i, context in enumerate(translated):
             count = len(pytree.tree_leaves(context))
@@ -347,10 +375,10 @@ class XLARunner:
 
             self.zero_copy = xr.device_type() == "CPU" and self.device.type == "xla"
             self._from_dlpack = xla_dlpack.from_dlpack
-        entry = _graph_entry(self.runner, spec, self.scalar_slots)
+        entry = _graph_entry(self.runner, spec, self.scalar_slots, self.float_slots)
         self._entry_holder.append(entry)
         self.cache = DynamoCache(entry)
-        self._compiled = torch.compile(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
+        self._compiled = compile_function(entry, backend=self._compiler, fullgraph=True, dynamic=False)  # shapes are fixed
         try:
             self(x, tangents, contexts)
         except Exception as error:  # dynamo cannot capture it, or the bridge cannot lower it
@@ -373,7 +401,7 @@ class XLARunner:
         """The flat leaves on the device (0-d ones as shape (1,)), whether ``x`` lived there, and
         the flat leaves as given."""
         if self.translate:
-            contexts = translate_contexts(contexts, None, x)
+            contexts = to_device_tensor(contexts, None)
         leaves: list[Any] = []
         _append_leaves((x, tangents, contexts), leaves)
         x_on_device = True
@@ -425,23 +453,28 @@ class XLARunner:
             transformed = cache.lookup({"leaves": leaves})
             if transformed is not None:
                 return transformed(*leaves)
-        return cache.call(self._compiled, leaves, {"leaves": leaves}, RECOMPILE_LIMITS)
+        # .item() of a float context gives dynamo a symbolic float: no recompilation per value.
+        forget_float_specializations()
+        try:
+            return cache.call(self._compiled, leaves, {"leaves": leaves}, {"capture_scalar_outputs": True, **_RECOMPILE_LIMITS})
+        finally:
+            forget_float_specializations()
 
     def _lazy(self, leaves: list[Any]) -> Any:
         """The fallback: trace with lazy tensors, materialize only this call's outputs."""
-        import torch_xla
-
         pending = [leaf for leaf in leaves if _is_xla(leaf)]
         # The caller's own pending work must not join (and change) our graph.
-        torch_xla._XLAC._xla_sync_multi(pending, devices=[], wait=True)
+        _xla_private.sync(pending)
         before = _uncached_compiles()
         items = [leaf.view(()) if i in self.scalar_slots else leaf for i, leaf in enumerate(leaves)]
+        for slot in self.float_slots:
+            items[slot] = items[slot].item()
         assert self._spec is not None  # set by warm_up
         x, tangents, contexts = pytree.tree_unflatten(items, self._spec)
         with _FunctorchSafePooling():
             result = self.runner(x, tangents, contexts)
         outputs = [leaf for leaf in pytree.tree_leaves(result) if _is_xla(leaf)]
-        torch_xla._XLAC._xla_sync_multi(outputs, devices=[], wait=True)  # this call's outputs only
+        _xla_private.sync(outputs)  # this call's outputs only
         self.num_compilations += _uncached_compiles() - before
         return result
 
@@ -455,9 +488,7 @@ def _to_host(result: Any, updated: list[tuple[torch.Tensor, torch.Tensor]], outp
     positions = [i for i, leaf in enumerate(leaves) if _is_xla(leaf)] if outputs else []
     if not positions and not updated:
         return result
-    import torch_xla
-
-    fetched = torch_xla._XLAC._xla_get_cpu_tensors([device for _, device in updated] + [leaves[i] for i in positions])
+    fetched = _xla_private.to_cpu([device for _, device in updated] + [leaves[i] for i in positions])
     with torch.no_grad():
         for (host, _), value in zip(updated, fetched):
             host.copy_(value.reshape(host.shape))
@@ -493,7 +524,13 @@ class XLAEngine:
 
     def build(self, family: str, f: Any, spec: Any) -> Any:
         inner_backend = self.backend.inner
-        if family == "hessian" and type(inner_backend) is AutoFunc and inner_backend.chunk_size is None:
+        if (
+            family == "hessian"
+            and type(inner_backend) is AutoFunc
+            and inner_backend.chunk_size is None
+            and inner_backend.mode is None
+            and torch.Size(spec.y.shapes[0]).numel() == 1
+        ):
             inner = _hessian_from_hvps(f, spec)
         else:
             inner = build_runner(inner_backend, family, f, spec)

@@ -7,6 +7,11 @@ from torchdi.operators.hvp import gradient_and_hvp, hvp, prepare_hvp
 from torchdi.operators.jacobian import jacobian, prepare_jacobian, value_and_jacobian
 from torchdi.operators.pullback import prepare_pullback, pullback, value_and_pullback
 from torchdi.operators.pushforward import prepare_pushforward, pushforward, value_and_pushforward
+from torchdi.operators.same_point import (
+    prepare_hvp_same_point,
+    prepare_pullback_same_point,
+    prepare_pushforward_same_point,
+)
 from torchdi.operators.second_derivative import (
     prepare_second_derivative,
     second_derivative,
@@ -24,9 +29,12 @@ __all__ = [
     "prepare_gradient",
     "prepare_hessian",
     "prepare_hvp",
+    "prepare_hvp_same_point",
     "prepare_jacobian",
     "prepare_pullback",
+    "prepare_pullback_same_point",
     "prepare_pushforward",
+    "prepare_pushforward_same_point",
     "prepare_second_derivative",
     "pullback",
     "pushforward",

@@ -136,7 +136,13 @@ def check_output(y: Any, row: Family, operator: str) -> None:
     """``f(x)`` as the family needs it: tensors (one tensor, a scalar one) of floating dtype."""
     y_leaves = pytree.tree_leaves(y)
     if not y_leaves or not all(isinstance(leaf, torch.Tensor) for leaf in y_leaves):
-        raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}")
+        hint = (
+            "; if f writes its output into its first argument, f(y, x, *contexts), pass y= (pushforward, "
+            "pullback, derivative, jacobian)"
+            if y is None
+            else ""
+        )
+        raise TypeError(f"{operator}: f must return a tensor (or a pytree of tensors), got {type(y).__name__}{hint}")
     if row.single_y and not isinstance(y, torch.Tensor):
         raise TypeError(f"{operator}: f must return a single tensor, got {type(y).__name__}")
     if row.scalar_y and y.numel() != 1:

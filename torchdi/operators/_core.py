@@ -15,13 +15,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import Backend, require_available
+from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
-from torchdi.errors import user_stacklevel
+from torchdi.engines._dynamo import set_grad_enabled
+from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
 from torchdi.operators import _transparent
+from torchdi.operators._aux import AuxRunner, native_aux, split_aux, without_aux
 from torchdi.operators._checks import (
     canonical_x,
     check_backend,
@@ -38,7 +40,8 @@ from torchdi.operators._guards import (
     without_inference_tensors,
     without_side_effects,
 )
-from torchdi.prep import Prep, describe, describe_contexts
+from torchdi.operators._trees import Flattening, needs_flattening
+from torchdi.prep import Prep, PreparationMismatchError, describe, describe_contexts
 from torchdi.runners import (
     BoundFunction,
     Runner,
@@ -53,7 +56,7 @@ from torchdi.runners import (
 )
 from torchdi.translate import copyto_
 
-__all__ = ["prepare_operator", "run_operator", "write_out"]
+__all__ = ["prepare_operator", "run_operator", "with_aux_result", "write_out"]
 
 
 def _batch_tangents(tangents: tuple[Any, ...], detach: bool = True) -> Any:
@@ -93,16 +96,21 @@ def prepare_operator(
     contexts: Sequence[Any],
     strict: bool,
     value: bool | None = None,
+    has_aux: bool = False,
+    runner_factory: Callable[..., Runner | None] | None = None,
 ) -> Prep:
     """Validate the arguments, build the runner for ``backend`` and compile it if needed.
 
     ``value`` says which variant a one-shot call needs (``None``: both, as ``prepare_*`` does).
+    ``has_aux``: ``f`` returns ``(y, aux)``; the runner's value is then ``(y, aux)``.
+    ``runner_factory(backend, family, f, spec, x, tangents, values)``: a runner of its own
+    (same-point preparations), or ``None`` for the ordinary one.
     Preparation has no side effect a user can see: the global RNG state and every ``State``
     tensor are restored once it is done (its evaluations of ``f`` would otherwise shift dropout
     masks and update running statistics).
     """
     with without_side_effects([c.value for c in contexts if isinstance(c, State)]):
-        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
+        return _prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux, runner_factory)
 
 
 def _prepare_operator(
@@ -115,15 +123,19 @@ def _prepare_operator(
     contexts: Sequence[Any],
     strict: bool,
     value: bool | None,
+    has_aux: bool = False,
+    runner_factory: Callable[..., Runner | None] | None = None,
 ) -> Prep:
     compiling = torch.compiler.is_compiling()  # dynamo traces this call: see _transparent
     if not compiling and torch.is_inference_mode_enabled():
         # The user's outer context, not a request to drop derivatives: under inference_mode
         # autograd records nothing and every derivative would silently be zero.
         with torch.inference_mode(False):
-            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value)
+            return prepare_operator(family, operator, f, backend, x, tangents, contexts, strict, value, has_aux, runner_factory)
     if not callable(f):
         raise TypeError(f"{operator}: f must be callable, got {type(f).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{operator}: has_aux must be True or False, got {has_aux!r}")
     check_backend(backend, operator)
     require_available(backend)
     row = FAMILIES[family]
@@ -163,6 +175,13 @@ def _prepare_operator(
             if note:
                 error.add_note(note)
             raise
+    with_aux, tensor_aux = bound, True
+    if has_aux:
+        y, aux = split_aux(y, operator)
+        # torch.func carries only tensors out of a transform: other aux leaves take the generic path.
+        tensor_aux = all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(aux))
+        del aux
+        bound = without_aux(bound, operator)
     check_output(y, row, operator)
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
@@ -176,6 +195,16 @@ def _prepare_operator(
             stacklevel=user_stacklevel(),
         )
     x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(y)
+    output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
+    flattening = None
+    _refuse_sparse_vector_hessian(backend, family, y, operator)
+    if needs_flattening(family, x_run, y):
+        # jacobian/hessian of a pytree x or y: the engine differentiates the raveled function.
+        _refuse_sparse_trees(backend, family, x_run, y, operator)
+        flattening = Flattening(family, x_run, y, operator)
+        bound = flattening.function(bound)
+        x_run = flattening.flat_x(x_run)
+        x_meta, y_meta = TreeMeta.of(x_run), TreeMeta.of(flattening.flat_y(y))
     n_tangents = 0
     if tangent_name is not None:
         like, like_name = (x_meta, "x") if row.tangents_like == "x" else (y_meta, "f(x)")
@@ -185,6 +214,18 @@ def _prepare_operator(
         raise TypeError(f"{operator} takes no tangents")
     del y
     spec = Spec(x_meta, y_meta, n_tangents, state_contexts=tuple(i for i, kind in enumerate(kinds) if kind == "State"))
+    aux_natively = (
+        has_aux and tensor_aux and flattening is None and native_aux(backend, family) and spec.x.numel > 0 and spec.y.numel > 0
+    )
+    if aux_natively:  # the engine's own transform carries aux out (one evaluation of f)
+        bound, spec = with_aux, replace(spec, has_aux=True)
+    elif has_aux and "State" in kinds:
+        raise UnsupportedOperatorError(
+            f"{operator} with {backend!r} and has_aux=True: aux is read from one more evaluation of f, which "
+            "would update the State twice. Backends that return aux from the differentiated evaluation: "
+            "AutoFunc() and AutoCompile() (inner=AutoFunc()) for gradient, pullback, pushforward, "
+            "derivative and jacobian."
+        )
     batched = None if tangents is None else _batch_tangents(tangents)
     # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
     # value_ variant; nothing compiles on a later call. The alternative, a second program without
@@ -194,16 +235,20 @@ def _prepare_operator(
     # / raw torch.compile(grad(f))): Rosenbrock 1e6 0.78 -> 0.93 (it pays the final reduction),
     # the two MLPs within noise; still at or below raw on all three.
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
-    if value is False and row.drops_value and engine.keeps_static:
+    if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
     if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
     else:
-        runner = _built(backend, family, bound, spec, x_run, batched, values)
+        own = None if runner_factory is None else runner_factory(backend, family, bound, spec, x_run, batched, values)
+        runner = own if own is not None else _built(backend, family, bound, spec, x_run, batched, values)
+    if flattening is not None:
+        runner = flattening.runner(runner)
+    if has_aux and not aux_natively:
+        runner = AuxRunner(runner, with_aux, operator)
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
-    output_shape = torch.Size(y_meta.shapes[0]) if y_meta.is_tensor else None
     prep = Prep(
         family,
         f,
@@ -215,6 +260,7 @@ def _prepare_operator(
         engine.keeps_static,
         output_shape,
     )
+    prep.has_aux = has_aux
     del probing  # y and the probes are gone: what f made dies with them, what it reads stays
     prep.reads_tracked = any(ref() is not None for ref in reached)
     if spec.x.numel and spec.y.numel:
@@ -228,7 +274,13 @@ def _prepare_operator(
             # Under dynamo (safe), context tensors enter forward mode as explicit primals: see
             # Spec.inside_forward_mode and FuncEngine._hvp.
             chosen = plain_spec if lean else spec
-            return build_runner(safe_backend if safe else backend, family, bound, replace(chosen, inside_forward_mode=True) if safe else chosen)
+            rebuilt = build_runner(safe_backend if safe else backend, family, bound, replace(chosen, inside_forward_mode=True) if safe else chosen)
+            # The same wrapping as the prepared runner: pytree nesting and aux.
+            if flattening is not None:
+                rebuilt = flattening.runner(rebuilt)
+            if has_aux and not aux_natively:
+                rebuilt = AuxRunner(rebuilt, with_aux, operator)
+            return rebuilt
 
         prep.rebuild = rebuild
     return prep
@@ -237,6 +289,28 @@ def _prepare_operator(
 def _unless(skip: bool, manager: Callable[[str], contextlib.AbstractContextManager[None]], operator: str) -> contextlib.AbstractContextManager[None]:
     """``manager(operator)``, or nothing while dynamo traces (a global module hook is no graph op)."""
     return contextlib.nullcontext() if skip else manager(operator)
+
+
+def _refuse_sparse_vector_hessian(backend: Backend, family: str, y: Any, operator: str) -> None:
+    """``AutoSparse`` hessians are the sparse matrix of a scalar ``f``."""
+    if isinstance(backend, AutoSparse) and family == "hessian" and isinstance(y, torch.Tensor) and y.numel() != 1:
+        raise UnsupportedOperatorError(
+            f"{operator} with {backend!r}: a sparse hessian is the matrix of a scalar f, but f returns shape "
+            f"{tuple(y.shape)}. The dense backend {backend.dense!r} computes the hessian of a non-scalar f "
+            "(shape y.shape + x.shape + x.shape); or take the sparse hessian of each output's scalar function."
+        )
+
+
+def _refuse_sparse_trees(backend: Backend, family: str, x: Any, y: Any, operator: str) -> None:
+    """``AutoSparse`` returns one sparse matrix: a nested result of sparse blocks has no use."""
+    if isinstance(backend, AutoSparse):
+        what = "x" if not isinstance(x, torch.Tensor) else "f(x)"
+        raise TypeError(
+            f"{operator} with {backend!r}: {what} is a {type(x if what == 'x' else y).__name__}, but a sparse "
+            f"{family} is one sparse matrix of a tensor x (and a tensor f(x)). Ravel the pytree into one "
+            "tensor (torch.cat([t.reshape(-1) for t in leaves])) inside f, or use the dense backend "
+            f"{backend.dense!r}, which nests the {family} as torch.func does."
+        )
 
 
 def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:
@@ -264,21 +338,23 @@ def run_operator(
     prep: Prep | None,
     value: bool = True,
     detached: bool = False,
+    has_aux: bool = False,
 ) -> tuple[Any, ...]:
     """Run ``family`` through ``prep`` (prepared on the spot when ``None``): the full result.
 
     With ``value=False`` the value part may be ``None`` (the caller drops it). ``detached=True``
-    (an ``out=`` call) says the result is not differentiated by outer autograd.
+    (an ``out=`` call) says the result is not differentiated by outer autograd. With
+    ``has_aux`` the value part is ``(value, aux)``.
     """
     if torch.compiler.is_compiling():  # dynamo traces f's call of this operator: no bookkeeping
-        return _run_traced(family, operator, f, backend, x, tangents, contexts, prep, value)
+        return _run_traced(family, operator, f, backend, x, tangents, contexts, prep, value, has_aux)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):  # see prepare_operator
-            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached)
+            return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached, has_aux)
     if prep is None:
         if _transparent.under_functorch_or_dynamo():  # refused at once, before anything compiles
             _transparent.refuse_under_outer_transform(backend, family, operator)
-        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value)
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
     else:
         if not isinstance(prep, Prep):
@@ -290,6 +366,10 @@ def run_operator(
                 prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
             prep.check(family, f, backend, None)  # strict=False skips only the argument signatures
+        if prep.has_aux is not has_aux:  # the result's layout depends on it: checked even without strict
+            _refuse_aux_mismatch(prep, has_aux, operator)
+        if prep.point is not None:  # a same-point preparation: never a stale result, whatever strict says
+            prep.point.check(x, values)
     x = without_inference_tensors(x)
     values = without_inference_tensors(values)
     attach = None
@@ -303,11 +383,11 @@ def run_operator(
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call
     grad_enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
+    set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
     try:
         result = call(x_run, batched, values)
     finally:
-        torch._C._set_grad_enabled(grad_enabled)
+        set_grad_enabled(grad_enabled)
     return result if attach is None else attach(result)
 
 
@@ -321,6 +401,7 @@ def _run_traced(
     contexts: Sequence[Any],
     prep: Prep | None,
     value: bool,
+    has_aux: bool = False,
 ) -> tuple[Any, ...]:
     """``run_operator`` while dynamo traces it (``torch.compile`` of a function that calls an
     operator, or a compiled torchdi backend whose ``f`` calls one): the runner, traced into the
@@ -329,13 +410,15 @@ def _run_traced(
     dynamo evaluates once, at trace time."""
     _transparent.refuse_under_outer_transform(backend, family, operator)
     if prep is None:
-        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False)
+        prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
     else:
         values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
         received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if prep.strict else None
         if received is None or not prep.serves(family, f, backend, received):
             prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
+        if prep.has_aux is not has_aux:
+            _refuse_aux_mismatch(prep, has_aux, operator)
     # A view as a scalar x (t[0] of the caller's tensor) given to forward mode trips a torch internal
     # assert in AOTAutograd ("has_fw_view"; it also leaks the dual level, breaking every later jvp
     # of the process): the runner sees a copy, differentiable like the view (one element; asking
@@ -363,6 +446,19 @@ def _run_transparent(
     x_run = canonical_x(x, family, operator, detach=False)
     batched = None if tangents is None else _batch_tangents(tangents, detach=False)
     return runner(x_run, batched, values)
+
+
+def _refuse_aux_mismatch(prep: Prep, has_aux: bool, operator: str) -> None:
+    raise PreparationMismatchError(
+        f"{operator}: prep (prepared for {prep.operator!r}, backend {prep.backend!r}) cannot serve this call:\n"
+        f"  has_aux: mismatch: expected {prep.has_aux}, received {has_aux} (pass has_aux={prep.has_aux} as at "
+        "preparation, or prepare again)"
+    )
+
+
+def with_aux_result(derivative: Any, result: tuple[Any, ...], has_aux: bool) -> Any:
+    """What a plain operator returns: its derivative, paired with ``aux`` when ``has_aux``."""
+    return (derivative, result[0][1]) if has_aux else derivative
 
 
 def write_out(result: Any, out: Any, operator: str) -> Any:

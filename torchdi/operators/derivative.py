@@ -9,7 +9,8 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
+from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -23,7 +24,9 @@ from torchdi.runners import (
 __all__ = ["derivative", "prepare_derivative", "value_and_derivative"]
 
 
-def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True, has_aux: bool = False,
+    y: Any = None,
+) -> Prep:
     """Prepare ``derivative`` and ``value_and_derivative`` of ``f`` at the scalar ``x``.
 
     Args:
@@ -33,19 +36,23 @@ def prepare_derivative(f: Callable[..., Any], backend: Backend, x: Any, *context
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("derivative", "prepare_derivative", f, backend, x, None, contexts, strict)
+    return prepare_operator("derivative", "prepare_derivative", in_place(f, y, "prepare_derivative", has_aux, x), backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
+    y: Any = None,
 ) -> tuple[Any, Any]:
     """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
-    y, dy = run_operator("derivative", "value_and_derivative", f, backend, x, None, contexts, prep, detached=out is not None)
-    return y, write_out(dy, out, "value_and_derivative")
+    value, dy = run_operator("derivative", "value_and_derivative", in_place(f, y, "value_and_derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
+    return write_value(value, y), write_out(dy, out, "value_and_derivative")
 
 
 def derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
+    y: Any = None,
 ) -> Any:
     """The derivative ``dy/dx`` of ``f`` at the scalar ``x``, shaped like ``f(x)``.
 
@@ -56,14 +63,20 @@ def derivative(
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_derivative``.
         out: optional preallocated result buffer.
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Example::
 
         >>> torchdi.derivative(lambda t: torch.stack([t, t**2]), torchdi.AutoAutograd(), 3.0)
         tensor([1., 6.])
     """
-    _, dy = run_operator("derivative", "derivative", f, backend, x, None, contexts, prep, detached=out is not None)
-    return write_out(dy, out, "derivative")
+    value, dy = result = run_operator("derivative", "derivative", in_place(f, y, "derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
+    write_value(value, y)
+    return with_aux_result(write_out(dy, out, "derivative"), result, has_aux)
 
 
 def derivative_from_pushforward(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

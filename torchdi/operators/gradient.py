@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -24,7 +24,8 @@ from torchdi.runners import (
 __all__ = ["gradient", "prepare_gradient", "value_and_gradient"]
 
 
-def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare ``gradient`` and ``value_and_gradient`` of ``f`` at ``x``.
 
     The expensive part (tracing, compilation, buffer allocation) happens here, once; the
@@ -50,11 +51,12 @@ def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts:
         tensor([6., 6., 6.])
         tensor([24., 24., 24.])
     """
-    return prepare_operator("gradient", "prepare_gradient", f, backend, x, None, contexts, strict)
+    return prepare_operator("gradient", "prepare_gradient", f, backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_gradient(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """``(f(x), gradient)`` (value first, as in DifferentiationInterface.jl and JAX).
 
@@ -65,12 +67,13 @@ def value_and_gradient(
         >>> torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2))
         (tensor(2.), tensor([2., 2.]))
     """
-    y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep, detached=out is not None)
+    y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     return y, write_out(grad, out, "value_and_gradient")
 
 
 def gradient(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> Any:
     """The gradient of the scalar ``f(x, *contexts)`` with respect to ``x``.
 
@@ -81,9 +84,12 @@ def gradient(
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_gradient`` (prepared on the spot when ``None``).
         out: optional preallocated buffers shaped like ``x`` (e.g. parameters' ``.grad``).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` (logits, metrics) is returned untouched and
+            not differentiated, as with ``torch.func.grad(has_aux=True)``.
 
     Returns:
-        The gradient, with the structure of ``x`` (``out`` when given).
+        The gradient, with the structure of ``x`` (``out`` when given); ``(gradient, aux)``
+        with ``has_aux`` (``value_and_gradient`` then returns ``((y, aux), gradient)``).
 
     Raises:
         ValueError: when ``f`` does not return a one-element tensor.
@@ -93,8 +99,8 @@ def gradient(
         >>> torchdi.gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.tensor([1., 2.]))
         tensor([2., 4.])
     """
-    _, grad = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep, value=False, detached=out is not None)
-    return write_out(grad, out, "gradient")
+    _, grad = result = run_operator("gradient", "gradient", f, backend, x, None, contexts, prep, value=False, has_aux=has_aux, detached=out is not None)
+    return with_aux_result(write_out(grad, out, "gradient"), result, has_aux)
 
 
 def gradient_from_pullback(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

@@ -8,7 +8,7 @@ from typing import Any
 from torchdi.backends import Backend
 from torchdi.composition import outer_inner
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -24,26 +24,26 @@ __all__ = ["gradient_and_hvp", "hvp", "prepare_hvp"]
 
 
 def prepare_hvp(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], strict: bool = True, has_aux: bool = False
 ) -> Prep:
     """Prepare ``hvp`` and ``gradient_and_hvp`` of the scalar ``f`` at ``x`` for the tangents ``tx``.
 
     Use ``SecondOrder(outer, inner)`` to choose how: the default for a plain backend ``b`` is
     ``SecondOrder(b, b)``; ``AutoFunc`` computes forward-over-reverse natively.
     """
-    return prepare_operator("hvp", "prepare_hvp", f, backend, x, tx, contexts, strict)
+    return prepare_operator("hvp", "prepare_hvp", f, backend, x, tx, contexts, strict, has_aux=has_aux)
 
 
 def gradient_and_hvp(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
 ) -> tuple[Any, tuple[Any, ...]]:
     """``(gradient, (H dx1, H dx2, ...))`` of the scalar ``f`` at ``x``."""
-    grad, hvps = run_operator("hvp", "gradient_and_hvp", f, backend, x, tx, contexts, prep)
+    grad, hvps = run_operator("hvp", "gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux=has_aux)
     return grad, unbatch(hvps, len(tx))
 
 
 def hvp(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
 ) -> tuple[Any, ...]:
     """The Hessian-vector products ``(H dx1, H dx2, ...)`` of the scalar ``f`` at ``x``.
 
@@ -54,6 +54,8 @@ def hvp(
         tx: tuple of tangents, each shaped like ``x``.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_hvp``.
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
 
     Returns:
         A tuple with one product (shaped like ``x``) per tangent.
@@ -63,8 +65,8 @@ def hvp(
         >>> torchdi.hvp(lambda x: (x**3).sum(), torchdi.AutoFunc(), torch.ones(2), (torch.ones(2),))
         (tensor([6., 6.]),)
     """
-    _, hvps = run_operator("hvp", "hvp", f, backend, x, tx, contexts, prep)
-    return unbatch(hvps, len(tx))
+    _, hvps = result = run_operator("hvp", "hvp", f, backend, x, tx, contexts, prep, has_aux=has_aux)
+    return with_aux_result(unbatch(hvps, len(tx)), result, has_aux)
 
 
 def hvp_from_second_order(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

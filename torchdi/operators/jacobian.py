@@ -10,7 +10,8 @@ import torch
 from torchdi.backends import Backend
 from torchdi.composition import jacobian_uses_forward
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
+from torchdi.operators._inplace import in_place, write_value
 from torchdi.operators.pushforward import _output_basis
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -26,7 +27,9 @@ from torchdi.runners import (
 __all__ = ["jacobian", "prepare_jacobian", "value_and_jacobian"]
 
 
-def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], strict: bool = True, has_aux: bool = False,
+    y: Any = None,
+) -> Prep:
     """Prepare ``jacobian`` and ``value_and_jacobian`` of ``f`` at the tensor ``x``.
 
     Args:
@@ -36,29 +39,42 @@ def prepare_jacobian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *
         *contexts: ``Constant``/``Cache`` arguments.
         strict: check on every call that the arguments match this preparation.
     """
-    return prepare_operator("jacobian", "prepare_jacobian", f, backend, x, None, contexts, strict)
+    return prepare_operator("jacobian", "prepare_jacobian", in_place(f, y, "prepare_jacobian", has_aux, x), backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_and_jacobian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
+    y: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
-    y, jac = run_operator("jacobian", "value_and_jacobian", f, backend, x, None, contexts, prep, detached=out is not None)
-    return y, write_out(jac, out, "value_and_jacobian")
+    value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
+    return write_value(value, y), write_out(jac, out, "value_and_jacobian")
 
 
 def jacobian(
-    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
+    y: Any = None,
 ) -> torch.Tensor:
     """The Jacobian of ``f`` at ``x``, of shape ``y.shape + x.shape`` (the ``torch.func.jacrev`` layout).
 
+    For a pytree ``x`` or a pytree ``f(x)`` the result is nested as ``torch.func.jacrev`` nests
+    it: the outer level has ``f(x)``'s structure, the inner one ``x``'s, each leaf of shape
+    ``y_leaf.shape + x_leaf.shape``.
+
     Args:
-        f: the function ``f(x, *contexts) -> y`` (tensor to tensor).
+        f: the function ``f(x, *contexts) -> y`` (a tensor or pytree of tensors).
         backend: a torchdi backend.
-        x: a tensor.
+        x: a tensor or a pytree (dict/list/tuple) of tensors.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_jacobian``.
-        out: optional preallocated buffer of shape ``y.shape + x.shape``.
+        out: optional preallocated buffer(s) of the result's shape (and nesting).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Example::
 
@@ -66,8 +82,9 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    _, jac = run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep, detached=out is not None)
-    return write_out(jac, out, "jacobian")
+    value, jac = result = run_operator("jacobian", "jacobian", in_place(f, y, "jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
+    write_value(value, y)
+    return with_aux_result(write_out(jac, out, "jacobian"), result, has_aux)
 
 
 def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

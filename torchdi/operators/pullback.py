@@ -10,7 +10,8 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
+from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -27,7 +28,8 @@ __all__ = ["prepare_pullback", "pullback", "value_and_pullback"]
 
 
 def prepare_pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], strict: bool = True, has_aux: bool = False,
+    y: Any = None,
 ) -> Prep:
     """Prepare ``pullback`` and ``value_and_pullback`` of ``f`` at ``x`` for the cotangents ``ty``.
 
@@ -42,11 +44,11 @@ def prepare_pullback(
     Returns:
         A ``Prep`` to pass as ``prep=``.
     """
-    return prepare_operator("pullback", "prepare_pullback", f, backend, x, ty, contexts, strict)
+    return prepare_operator("pullback", "prepare_pullback", in_place(f, y, "prepare_pullback", has_aux, x), backend, x, ty, contexts, strict, has_aux=has_aux)
 
 
 def value_and_pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
 ) -> tuple[Any, tuple[Any, ...]]:
     """``(f(x), (J^T dy1, J^T dy2, ...))``: the value and one vector-Jacobian product per cotangent.
 
@@ -56,12 +58,12 @@ def value_and_pullback(
         >>> dx
         tensor([1., 1.])
     """
-    y, dx = run_operator("pullback", "value_and_pullback", f, backend, x, ty, contexts, prep)
-    return y, unbatch(dx, len(ty))
+    value, dx = run_operator("pullback", "value_and_pullback", in_place(f, y, "value_and_pullback", has_aux, x), backend, x, ty, contexts, prep, has_aux=has_aux)
+    return write_value(value, y), unbatch(dx, len(ty))
 
 
 def pullback(
-    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
 ) -> tuple[Any, ...]:
     """The vector-Jacobian products ``(J^T dy1, ...)`` of ``f`` at ``x``, one per cotangent in ``ty``.
 
@@ -72,12 +74,18 @@ def pullback(
         ty: tuple of cotangents, each shaped like ``f(x)``.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_pullback`` (prepared on the spot when ``None``).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Returns:
         A tuple with one ``dx`` (shaped like ``x``) per cotangent.
     """
-    _, dx = run_operator("pullback", "pullback", f, backend, x, ty, contexts, prep)
-    return unbatch(dx, len(ty))
+    value, dx = result = run_operator("pullback", "pullback", in_place(f, y, "pullback", has_aux, x), backend, x, ty, contexts, prep, has_aux=has_aux)
+    write_value(value, y)
+    return with_aux_result(unbatch(dx, len(ty)), result, has_aux)
 
 
 def pullback_from_pushforwards(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

@@ -11,7 +11,8 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import Backend
 from torchdi.contexts import Context
 from torchdi.errors import UnsupportedOperatorError
-from torchdi.operators._core import prepare_operator, run_operator
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
+from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -28,7 +29,8 @@ __all__ = ["prepare_pushforward", "pushforward", "value_and_pushforward"]
 
 
 def prepare_pushforward(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], strict: bool = True
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], strict: bool = True, has_aux: bool = False,
+    y: Any = None,
 ) -> Prep:
     """Prepare ``pushforward`` and ``value_and_pushforward`` of ``f`` at ``x`` for the tangents ``tx``.
 
@@ -43,11 +45,11 @@ def prepare_pushforward(
     Returns:
         A ``Prep`` to pass as ``prep=``.
     """
-    return prepare_operator("pushforward", "prepare_pushforward", f, backend, x, tx, contexts, strict)
+    return prepare_operator("pushforward", "prepare_pushforward", in_place(f, y, "prepare_pushforward", has_aux, x), backend, x, tx, contexts, strict, has_aux=has_aux)
 
 
 def value_and_pushforward(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
 ) -> tuple[Any, tuple[Any, ...]]:
     """``(f(x), (J dx1, J dx2, ...))``: the value and one Jacobian-vector product per tangent.
 
@@ -57,12 +59,12 @@ def value_and_pushforward(
         >>> dy
         tensor([1., 1.])
     """
-    y, dy = run_operator("pushforward", "value_and_pushforward", f, backend, x, tx, contexts, prep)
-    return y, unbatch(dy, len(tx))
+    value, dy = run_operator("pushforward", "value_and_pushforward", in_place(f, y, "value_and_pushforward", has_aux, x), backend, x, tx, contexts, prep, has_aux=has_aux)
+    return write_value(value, y), unbatch(dy, len(tx))
 
 
 def pushforward(
-    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None
+    f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
 ) -> tuple[Any, ...]:
     """The Jacobian-vector products ``(J dx1, J dx2, ...)`` of ``f`` at ``x``, one per tangent in ``tx``.
 
@@ -73,12 +75,18 @@ def pushforward(
         tx: tuple of tangents, each shaped like ``x``.
         *contexts: ``Constant``/``Cache`` arguments.
         prep: the result of ``prepare_pushforward`` (prepared on the spot when ``None``).
+        has_aux: ``f`` returns ``(y, aux)``; ``aux`` comes back untouched, not differentiated:
+            the result is then ``(result, aux)`` (``value_and_*``: ``((y, aux), ...)``).
+        y: for an in-place ``f(y, x, *contexts)`` that writes its output into ``y`` and returns
+            ``None``: a tensor of ``f``'s output shape and dtype, on ``x``'s device; it holds
+            ``f(x)`` after the call.
 
     Returns:
         A tuple with one ``dy`` (shaped like ``f(x)``) per tangent.
     """
-    _, dy = run_operator("pushforward", "pushforward", f, backend, x, tx, contexts, prep)
-    return unbatch(dy, len(tx))
+    value, dy = result = run_operator("pushforward", "pushforward", in_place(f, y, "pushforward", has_aux, x), backend, x, tx, contexts, prep, has_aux=has_aux)
+    write_value(value, y)
+    return with_aux_result(unbatch(dy, len(tx)), result, has_aux)
 
 
 def pushforward_from_pullbacks(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

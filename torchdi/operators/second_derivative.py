@@ -10,7 +10,7 @@ import torch
 from torchdi.backends import Backend
 from torchdi.composition import outer_inner
 from torchdi.contexts import Context
-from torchdi.operators._core import prepare_operator, run_operator, write_out
+from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
     BoundFunction,
@@ -25,24 +25,27 @@ from torchdi.runners import (
 __all__ = ["prepare_second_derivative", "second_derivative", "value_derivative_and_second_derivative"]
 
 
-def prepare_second_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True) -> Prep:
+def prepare_second_derivative(f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], strict: bool = True, has_aux: bool = False
+) -> Prep:
     """Prepare ``second_derivative`` and ``value_derivative_and_second_derivative`` at the scalar ``x``."""
-    return prepare_operator("second_derivative", "prepare_second_derivative", f, backend, x, None, contexts, strict)
+    return prepare_operator("second_derivative", "prepare_second_derivative", f, backend, x, None, contexts, strict, has_aux=has_aux)
 
 
 def value_derivative_and_second_derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> tuple[Any, Any, Any]:
     """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative."""
     y, dy, d2y = run_operator(
-        "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep,
+        "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux=has_aux,
         detached=out is not None,
     )
     return y, dy, write_out(d2y, out, "value_derivative_and_second_derivative")
 
 
 def second_derivative(
-    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None
+    f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
+    has_aux: bool = False,
 ) -> Any:
     """The second derivative ``d2y/dx2`` of ``f`` at the scalar ``x``, shaped like ``f(x)``.
 
@@ -51,8 +54,8 @@ def second_derivative(
         >>> torchdi.second_derivative(lambda t: t**3, torchdi.AutoFunc(), 2.0)
         tensor(12.)
     """
-    _, _, d2y = run_operator("second_derivative", "second_derivative", f, backend, x, None, contexts, prep, detached=out is not None)
-    return write_out(d2y, out, "second_derivative")
+    _, _, d2y = result = run_operator("second_derivative", "second_derivative", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
+    return with_aux_result(write_out(d2y, out, "second_derivative"), result, has_aux)
 
 
 def second_derivative_from_derivatives(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:

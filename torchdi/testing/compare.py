@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 def backend_label(backend: Any) -> str:
-    """How reports name a backend: its ``repr`` (``AutoFunc(chunk_size=None)``)."""
+    """How reports name a backend: its ``repr`` (``AutoFunc(chunk_size=None, mode=None)``)."""
     return repr(backend)
 
 

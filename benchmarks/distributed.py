@@ -1,0 +1,291 @@
+"""Training across two processes: torchdi's DataParallel against FSDP2's and DDP's own loops.
+
+Two gloo processes over 127.0.0.1 (CPU, one thread each) train a tiny GPT-2 (transformers'
+``GPT2LMHeadModel`` from a small ``GPT2Config``, random init, no download), each on its own
+batches. Contenders, each on its own copy of the model from the same seed:
+
+- ``FSDP2 eager``: ``fully_shard`` on each block and the root, ``loss.backward()``, Adam.
+- ``FSDP2 + torch.compile(model)``: the same with the sharded model compiled.
+- ``torchdi FSDP2``: the same sharded model, ``params = dict(model.named_parameters())`` (DTensors),
+  ``td.value_and_gradient(loss_fn, DataParallel(AutoCompile()), ..., out=td.into_grad(params))``:
+  all-gather, gradient and reduce-scatter in one compiled program.
+- ``torch.compile(DDP(model))``: a replicated model, DDP's bucketed all-reduce in backward hooks.
+- ``torchdi data parallel``: the replicated model, ``DataParallel(AutoCompile())``: the
+  bucketed all-reduce inside the compiled program.
+
+Reported by rank 0: first-step seconds (compilation included) and steps/s as the median of
+interleaved repeats (each repeat times a block of steps of every contender in turn, the
+processes in step through a barrier), with the ratio to the contender's PyTorch counterpart,
+all from the same run.
+
+``--memory`` measures instead the per-process peak memory of a step, FSDP2 eager against torchdi
+on ``DataParallel(AutoFunc())`` (eager, so that no compiler's own memory counts), on a model whose
+parameters dominate (an MLP of eight 1024x1024 layers, 8.4M parameters): each contender runs in
+its own pair of fresh processes and reports the largest resident set size (``/proc/self/statm``,
+sampled every 0.5 ms by a thread) during three steps, above the resident size before the first
+step (model and optimizer built). A rough measure (the allocator may keep freed memory), but
+the same for both.
+
+Run: ``python benchmarks/distributed.py [--repeats N] [--steps K] [--compiler inductor|aot_eager] [--markdown FILE]``
+or ``python benchmarks/distributed.py --memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.func import functional_call
+
+import torchdi as td
+
+Step = Callable[[int], float]
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def batches(rank: int, count: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 256, (4, 32), generator=g) for _ in range(count)]
+
+
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def backward_loop(model: nn.Module, compiled: str | None, data: list[torch.Tensor], compiler: str) -> Step:
+    run = torch.compile(model, backend=compiler) if compiled else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> float:
+        ids = data[i % len(data)]
+        optimizer.zero_grad()
+        loss = run(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+def torchdi_loop(model: nn.Module, sharded: bool, data: list[torch.Tensor], compiler: str) -> Step:
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.Adam(params.values(), lr=1e-3)
+    call = td.distributed.functional_call if sharded else functional_call
+    backend = td.distributed.DataParallel(td.AutoCompile(compiler=compiler))
+
+    def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return call(m, p, (ids,), {"labels": ids}).loss
+
+    prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data[0]))
+
+    def step(i: int) -> float:
+        ids = data[i % len(data)]
+        optimizer.zero_grad()
+        loss, _ = td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(ids), prep=prep, out=td.into_grad(params))
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+CONTENDERS: dict[str, tuple[str | None, Callable[[list[torch.Tensor], str], Step]]] = {
+    "FSDP2 eager": (None, lambda d, c: backward_loop(shard(gpt2()), None, d, c)),
+    "FSDP2 + torch.compile(model)": (None, lambda d, c: backward_loop(shard(gpt2()), "model", d, c)),
+    "torchdi FSDP2": ("FSDP2 + torch.compile(model)", lambda d, c: torchdi_loop(shard(gpt2()), True, d, c)),
+    "torch.compile(DDP(model))": (None, lambda d, c: backward_loop(nn.parallel.DistributedDataParallel(gpt2()), "model", d, c)),
+    "torchdi data parallel": ("torch.compile(DDP(model))", lambda d, c: torchdi_loop(gpt2(), False, d, c)),
+}
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        data = batches(rank)
+        steps: dict[str, Step] = {}
+        first: dict[str, float] = {}
+        for name in args.contenders:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name] = CONTENDERS[name][1](data, args.compiler)
+            steps[name](0)
+            first[name] = time.perf_counter() - start
+        rates: dict[str, list[float]] = {name: [] for name in steps}
+        names = list(steps)
+        for repeat in range(args.repeats):
+            for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # rotating order
+                steps[name](1)
+                dist.barrier()
+                start = time.perf_counter()
+                for i in range(args.steps):
+                    steps[name](i)
+                dist.barrier()
+                rates[name].append(args.steps / (time.perf_counter() - start))
+        if rank == 0:
+            rows = []
+            for name in names:
+                base = CONTENDERS[name][0]
+                median = statistics.median(rates[name])
+                ratio = median / statistics.median(rates[base]) if base in rates else None
+                rows.append({"contender": name, "first_step_s": first[name], "steps_per_s": median, "vs": base, "ratio": ratio})
+            out.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def big_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_worker(rank: int, world: int, port: int, contender: str, out: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = big_mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        params = dict(model.named_parameters())
+        g = torch.Generator().manual_seed(rank)
+        data = [(torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)) for _ in range(3)]
+        backend = td.distributed.DataParallel(td.AutoFunc())
+
+        def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, batch: Any) -> torch.Tensor:
+            return (td.distributed.functional_call(m, p, (batch[0],)) - batch[1]).pow(2).mean()
+
+        prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data[0])) if contender == "torchdi" else None
+        for p in model.parameters():  # Adam's states exist before the measurement, for both
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad()
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], resident_bytes())
+                time.sleep(0.0005)
+
+        base = resident_bytes()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        for batch in data:
+            optimizer.zero_grad()
+            if prep is None:
+                (model(batch[0]) - batch[1]).pow(2).mean().backward()
+            else:
+                td.gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params))
+            optimizer.step()
+        done.set()
+        sampler.join()
+        if rank == 0:
+            out.put((peak[0] - base, sum(p.numel() for p in params.values())))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_memory() -> int:
+    rows = {}
+    for contender in ("FSDP2 eager", "torchdi"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(memory_worker, args=(2, port, contender, out), nprocs=2, start_method="spawn")
+        rows[contender] = out.get()
+    (eager, numel), (ours, _) = rows["FSDP2 eager"], rows["torchdi"]
+    print(f"MLP 8x1024x1024 ({numel / 1e6:.1f}M parameters), 2 gloo processes, 3 Adam steps, peak resident set above the start of the steps:")
+    print(f"| FSDP2 eager | {eager / 2**20:.0f} MiB |\n| torchdi DataParallel(AutoFunc()) | {ours / 2**20:.0f} MiB ({ours / max(eager, 1):.2f}x) |")
+    return 0
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| contender | first step (s) | steps/s | ratio |", "|---|---:|---:|---|"]
+    for row in rows:
+        ratio = f"{row['ratio']:.2f}x {row['vs']}" if row["ratio"] is not None else ""
+        lines.append(f"| {row['contender']} | {row['first_step_s']:.1f} | {row['steps_per_s']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--threads", type=int, default=1, help="threads per process")
+    parser.add_argument("--compiler", default="inductor", help="torch.compile backend of every compiled contender")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated: {', '.join(CONTENDERS)}")
+    parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--memory", action="store_true", help="measure per-process peak memory instead (see above)")
+    args = parser.parse_args(argv)
+    if args.memory:
+        return measure_memory()
+    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = set(args.contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders: {sorted(unknown)}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.start_processes(worker, args=(2, port, args, out), nprocs=2, start_method="spawn")
+    rows = out.get()
+    table = format_markdown(rows)
+    print(f"2 gloo processes, {args.threads} thread(s) each, compiler {args.compiler}, torch {torch.__version__}")
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,550 @@
+"""The one module that touches private torch internals (dynamo, inductor, functorch, autograd).
+
+Every private access torchdi makes is probed here ONCE, at import, and each has a public path as
+its fallback: when a torch release moves or removes an internal, torchdi gets slower, never
+wrong. Each probe says in a comment which torch versions have it (checked on 2.9, 2.13, 2.14.1).
+When a fast path is off, one warning (logger ``torchdi``) names it, the first time it matters.
+
+The fast paths, by name (``FAST_PATHS``):
+
+- ``"guard_lookup"``: dynamo's cache entries of a code object
+  (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``, ``CacheEntry.code`` and
+  ``CacheEntry.guard_manager.check``) and calling dynamo's transformed bytecode ourselves. A
+  prepared call evaluates the guards and runs the transformed code without ``torch.compile``'s
+  per-call wrapper. Fallback: every call goes through the ``torch.compile``d entry point (the
+  same guards, evaluated by dynamo's frame evaluation; a few microseconds more per call).
+- ``"release"``: ``torch._C._dynamo.eval_frame.reset_code`` and
+  ``torch._dynamo.eval_frame.cached_backends``, which free what dynamo holds for a dropped
+  preparation at once. Fallback: the preparation's entry-point globals (the runner, and so ``f``)
+  are emptied, which is what frees ``f`` and the compiled graphs (rule 9); dynamo's empty cache
+  entries on the dead code object remain until torch drops them.
+- ``"compiler_wrappers"``: ``torch._TorchCompileInductorWrapper`` / ``torch._TorchCompileWrapper``,
+  the objects ``torch.compile`` itself builds from ``backend=``, ``mode=``, ``options=``.
+  Fallback: the graph dynamo hands torchdi's counting backend is compiled with a public
+  ``torch.compile(graph, backend=..., mode=..., options=...)`` (compiled on its first call, which
+  preparation makes).
+- ``"tensorify_reset"``: ``torch._dynamo.symbolic_convert.TensorifyState.clear()`` (symbolic
+  floats, torch >= 2.6). Fallback: nothing (a float a previous compilation had to specialize may
+  then recompile per value: counted and logged, never stale).
+- ``"dynamo_config"``: the ``torch._dynamo.config`` knobs torchdi sets per call
+  (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
+  knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
+  where torch has that argument).
+- ``"function_apply"``: ``super(torch.autograd.Function, fn).apply`` with
+  ``torch._functorch.utils.unwrap_dead_wrappers``: the C++ apply without
+  ``Function.apply``'s Python argument binding (about 70 us less per call). Fallback:
+  ``fn.apply``. Never used while dynamo traces (torch 2.14 refuses it there).
+- ``"transforms_active"``: ``torch._C._are_functorch_transforms_active``. Fallback: assume a
+  transform may be active (the full path through ``torch.autograd.Function``, always correct).
+- ``"forward_ad_level"``: ``torch.autograd.forward_ad._current_level``. Fallback: assume a
+  dual level may be open.
+- ``"set_grad_enabled"``: ``torch._C._set_grad_enabled`` (no context-manager object, ~1 us per
+  call). Fallback: ``torch.set_grad_enabled(mode)`` called as a function.
+
+torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
+when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import logging
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+__all__ = [
+    "FAST_PATHS",
+    "GRAPH_BREAK_ERRORS",
+    "RECOMPILE_LIMIT",
+    "DynamoCache",
+    "fresh_entry_point",
+    "release",
+    "apply_function",
+    "cache_entries",
+    "compile_function",
+    "compiler_for",
+    "dynamo_settings",
+    "forget_float_specializations",
+    "forward_ad_level",
+    "is_compiling",
+    "release_code",
+    "set_grad_enabled",
+    "transforms_active",
+    "warn_off",
+]
+
+logger = logging.getLogger("torchdi")
+
+
+def _probe(getter: Callable[[], Any]) -> Any:
+    """``getter()``, or ``None`` when what it reaches for does not exist in this torch."""
+    try:
+        return getter()
+    except (AttributeError, ImportError, TypeError):
+        return None
+
+
+# -- probes (once, at import) ------------------------------------------------------------------
+
+# torch 2.1 .. 2.14.1 (the C++ guard manager, CacheEntry.guard_manager, since 2.4).
+_CACHE_ENTRY_LIST: Callable[[types.CodeType], Any] | None = _probe(
+    lambda: torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+)
+
+
+def _reset_code_and_backends() -> tuple[Callable[[types.CodeType], None], dict[int, Any]]:
+    from torch._dynamo import eval_frame
+
+    return torch._C._dynamo.eval_frame.reset_code, eval_frame.cached_backends
+
+
+# torch 2.1 .. 2.14.1 (reset_code; cached_backends, a dict by id of the backend).
+_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _probe(_reset_code_and_backends)
+
+# torch 2.0 .. 2.14.1.
+_COMPILER_WRAPPERS: tuple[type, type] | None = _probe(lambda: (torch._TorchCompileInductorWrapper, torch._TorchCompileWrapper))
+
+
+def _tensorify_state() -> Any:
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    return TensorifyState
+
+
+def _lookup_backend() -> Callable[[str], Any]:
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend
+
+
+# torch 2.0 .. 2.14.1: dynamo's registry of backends by name (the compiler wrappers' fallback).
+_LOOKUP_BACKEND: Callable[[str], Any] | None = _probe(_lookup_backend)
+
+# torch 2.6 .. 2.14.1 (symbolic floats).
+_TENSORIFY_STATE: Any = _probe(_tensorify_state)
+
+
+def _unwrap_dead_wrappers() -> Callable[[Any], Any]:
+    from torch._functorch.utils import unwrap_dead_wrappers
+
+    return unwrap_dead_wrappers
+
+
+# torch 2.0 .. 2.14.1: Function's C++ base (_C._FunctionBase) apply, and functorch's unwrapping.
+_FUNCTION_APPLY: tuple[Any, Callable[[Any], Any]] | None = _probe(
+    lambda: (super(torch.autograd.Function, torch.autograd.Function).apply, _unwrap_dead_wrappers())
+)
+
+# torch 2.0 .. 2.14.1.
+_TRANSFORMS_ACTIVE: Callable[[], bool] | None = _probe(lambda: torch._C._are_functorch_transforms_active)
+
+# torch 1.10 .. 2.14.1: the innermost open dual level (-1: none).
+_FORWARD_AD_LEVEL: bool = isinstance(_probe(lambda: fwAD._current_level), int)
+
+# torch 1.x .. 2.14.1.
+_SET_GRAD_ENABLED: Callable[[bool], None] | None = _probe(lambda: torch._C._set_grad_enabled)
+
+# torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
+_COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
+
+
+def _dynamo_config() -> Any:
+    import torch._dynamo
+
+    return torch._dynamo.config
+
+
+_CONFIG: Any = _probe(_dynamo_config)
+
+
+def _graph_break_errors() -> tuple[type[BaseException], ...]:
+    import torch._dynamo.exc
+
+    return (torch._dynamo.exc.Unsupported,)
+
+
+# torch 2.0 .. 2.14.1: what dynamo raises for a graph break under fullgraph=True. Without it,
+# nothing is taken for a graph break: the error surfaces as torch raised it.
+GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] = _probe(_graph_break_errors) or ()
+
+FAST_PATHS: dict[str, str] = {
+    "guard_lookup": "evaluating dynamo's guards and running its transformed code without torch.compile's per-call wrapper",
+    "release": "freeing dynamo's cache entries of a dropped preparation at once (reset_code, cached_backends)",
+    "compiler_wrappers": "torch.compile's own compiler wrappers (torch._TorchCompileInductorWrapper)",
+    "tensorify_reset": "forgetting dynamo's float specializations between preparations (TensorifyState)",
+    "dynamo_config": "torch._dynamo.config knobs",
+    "function_apply": "the C++ torch.autograd.Function apply without Python argument binding",
+    "transforms_active": "asking functorch whether a transform is active",
+    "forward_ad_level": "reading forward-mode AD's current level",
+    "set_grad_enabled": "switching grad mode without a context-manager object",
+}
+
+_warned: set[str] = set()
+
+
+def warn_off(name: str, detail: str = "") -> None:
+    """Log once per process that the fast path ``name`` is off in this torch (slower, still right)."""
+    if name in _warned:
+        return
+    _warned.add(name)
+    logger.warning(
+        "torchdi: torch %s lacks the internal behind a fast path (%s: %s)%s; torchdi uses the public "
+        "path instead, which is slower but gives the same results.",
+        torch.__version__,
+        name,
+        FAST_PATHS[name],
+        f" ({detail})" if detail else "",
+    )
+
+
+# -- dynamo's cache entries ("guard_lookup", "release") -----------------------------------------
+
+
+def cache_entries(code: types.CodeType) -> list[tuple[Callable[[dict[str, Any]], bool], types.CodeType, Any]] | None:
+    """Dynamo's cache entries on ``code``, newest first, as ``(guard check, transformed code,
+    entry)``; ``None`` when this torch does not let torchdi read them (then every call goes
+    through ``torch.compile``)."""
+    reader = _CACHE_ENTRY_LIST
+    if reader is None:
+        warn_off("guard_lookup")
+        return None
+    try:
+        return [(entry.guard_manager.check, entry.code, entry) for entry in reader(code)]
+    except AttributeError as error:  # a CacheEntry without .code or .guard_manager
+        warn_off("guard_lookup", str(error))
+        return None
+
+
+def release_code(code: types.CodeType | None, backend_key: int) -> bool:
+    """Drop dynamo's cache entries on ``code`` and its cached backend ``backend_key`` (``id`` of the
+    object passed as ``backend=``). Returns whether it could (``False``: the caller empties what it
+    owns instead)."""
+    hooks = _RELEASE
+    if hooks is None:
+        warn_off("release")
+        return False
+    reset_code, cached_backends = hooks
+    cached_backends.pop(backend_key, None)
+    if code is not None:
+        reset_code(code)
+    return True
+
+
+# -- compiling ---------------------------------------------------------------------------------
+
+
+def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> Any:
+    """The dynamo backend ``torch.compile(backend=compiler, mode=mode, options=options,
+    dynamic=dynamic)`` would use, as an object torchdi can call on each graph (to count them).
+
+    Without torch.compile's own wrappers: dynamo's backend registry (``lookup_backend``, what
+    ``torch.compile`` resolves a backend name with), and ``mode``/``options`` are then not applied
+    (named in the warning: slower, e.g. no CUDA graphs, same results). A backend called from
+    dynamo cannot itself go through a public ``torch.compile`` (dynamo skips FX-generated code).
+    """
+    wrappers = _COMPILER_WRAPPERS
+    if wrappers is None:
+        lookup = _LOOKUP_BACKEND
+        if lookup is None:
+            raise RuntimeError(
+                f"AutoCompile: torch {torch.__version__} has neither torch._TorchCompileWrapper nor "
+                "torch._dynamo.lookup_backend, which torchdi compiles through; use AutoFunc() (eager) "
+                "or a torch torchdi supports (see README, Versions)."
+            )
+        ignored = ", ".join(name for name, value in (("mode", mode), ("options", options)) if value)
+        warn_off("compiler_wrappers", f"compiling with dynamo's {compiler!r} backend" + (f", without {ignored}" if ignored else ""))
+        return lookup(compiler)
+    inductor, generic = wrappers
+    if compiler == "inductor":
+        return inductor(mode, options, dynamic)
+    return generic(compiler, mode, options, dynamic)
+
+
+def compile_function(function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None) -> Any:
+    """``torch.compile(function, ...)`` with the preparation's recompile limit where torch takes
+    it as an argument (the config knob covers older torch)."""
+    extra: dict[str, Any] = {}
+    if "recompile_limit" in _COMPILE_PARAMETERS:
+        extra["recompile_limit"] = RECOMPILE_LIMIT
+    return torch.compile(function, backend=backend, fullgraph=fullgraph, dynamic=dynamic, **extra)
+
+
+# A preparation recompiles only when a guard fails (a static value, a global, the grad mode...).
+# Its cache is its own, so dynamo's per-code limit (8) would only turn a correct recompilation
+# into a crash (fullgraph=True) or a silent fall back to eager (fullgraph=False).
+RECOMPILE_LIMIT = 1024
+
+
+def dynamo_settings(wanted: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``wanted`` (``torch._dynamo.config`` knob -> value) this torch has; a
+    missing knob is left out and named in one warning."""
+    config = _CONFIG
+    if config is None:
+        warn_off("dynamo_config", "no torch._dynamo.config")
+        return {}
+    present = {name: value for name, value in wanted.items() if _has_knob(config, name)}
+    missing = sorted(set(wanted) - set(present))
+    if missing:
+        warn_off("dynamo_config", "missing: " + ", ".join(missing))
+    return present
+
+
+def _has_knob(config: Any, name: str) -> bool:
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def config_value(name: str, default: Any) -> Any:
+    """``torch._dynamo.config.<name>``, or ``default`` where this torch lacks it."""
+    config = _CONFIG
+    return default if config is None or not _has_knob(config, name) else getattr(config, name)
+
+
+@contextlib.contextmanager
+def patched_config(settings: dict[str, Any]) -> Iterator[None]:
+    """``torch._dynamo.config.patch(settings)`` for the knobs this torch has."""
+    present = dynamo_settings(settings)
+    if not present:
+        yield
+        return
+    with _CONFIG.patch(present):
+        yield
+
+
+def forget_float_specializations() -> None:
+    """Empty dynamo's record of the symbolic floats it had to specialize.
+
+    Dynamo keeps that record by symbol name ("zf0") in a process-wide set that outlives the
+    frame it was made for, so the first float of a later, unrelated compilation is specialized
+    too (and then recompiles on every new value). It is only meant for the restarts within one
+    compilation, which happen inside dynamo, between these calls.
+    """
+    state = _TENSORIFY_STATE
+    if state is None:
+        return  # a torch without symbolic floats, or one that moved the record: nothing to forget
+    with contextlib.suppress(AttributeError):
+        state.clear()
+
+
+def is_compiling() -> bool:
+    """Whether dynamo is tracing the caller (public: ``torch.compiler.is_compiling``)."""
+    return torch.compiler.is_compiling()
+
+
+# -- autograd and functorch ("function_apply", "transforms_active", "forward_ad_level", ...) ------
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform is active (``True`` when this torch cannot say)."""
+    probe = _TRANSFORMS_ACTIVE
+    if probe is None:
+        warn_off("transforms_active")
+        return True
+    return bool(probe())
+
+
+def forward_ad_level() -> int:
+    """The innermost open forward-mode AD level, -1 for none (0 when this torch cannot say)."""
+    if not _FORWARD_AD_LEVEL:
+        warn_off("forward_ad_level")
+        return 0
+    return int(getattr(fwAD, "_current_level", 0))
+
+
+def apply_function(function: Any, *args: Any) -> Any:
+    """``function.apply(*args)`` for a ``torch.autograd.Function``.
+
+    Outside ``torch.func`` transforms and dynamo tracing, ``Function.apply`` only binds default
+    arguments with ``inspect.signature`` (70 us per call for setup_context-style Functions, which
+    have none here) before the C++ apply: call that directly. Under a transform the full path
+    (``custom_function_call``) is needed; while dynamo traces, only ``Function.apply`` is
+    understood (torch 2.14 raises ``AsPythonConstantNotImplementedError`` on the shortcut).
+    """
+    fast = _FUNCTION_APPLY
+    if fast is None:
+        warn_off("function_apply")
+        return function.apply(*args)
+    if torch.compiler.is_compiling() or transforms_active():
+        return function.apply(*args)
+    _, unwrap_dead_wrappers = fast
+    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+
+
+def set_grad_enabled(mode: bool) -> None:
+    """Set grad mode (``torch.set_grad_enabled(mode)`` without its context-manager object)."""
+    setter = _SET_GRAD_ENABLED
+    if setter is None:
+        warn_off("set_grad_enabled")
+        torch.set_grad_enabled(mode)
+        return
+    setter(mode)
+
+
+# -- a preparation's own entry point and dynamo cache ------------------------------------------
+
+# Dynamo keeps automatic-dynamic and profile state by (file, line, name) of a code object: a
+# number never reused (unlike id()) keeps a new preparation from inheriting a dead one's.
+_preparation_numbers = itertools.count(1)
+
+
+def fresh_entry_point(template: Callable[..., Any], prefix: str, names: dict[str, Any]) -> types.FunctionType:
+    """``template``'s code under a name, file and globals of its own.
+
+    (``CodeType.replace`` and ``FunctionType`` are Python's public API, not torch's.)
+
+    Args:
+        template: a function whose body reads only its arguments and the globals in ``names``.
+        prefix: the start of the new function's name (a preparation number is appended).
+        names: the new function's globals (``__builtins__`` is added).
+
+    Returns:
+        A function dynamo sees as a new code object: its own cache entries, recompile count and
+        globals (where dynamo installs the compiled graphs, so they die with it).
+    """
+    function = cast(types.FunctionType, template)
+    name = f"{prefix}_{next(_preparation_numbers)}"
+    code = function.__code__.replace(co_name=name, co_qualname=name, co_filename=f"<torchdi {name}>")
+    # __name__: the template's module. Dynamo (torch 2.9) resolves the frame's module through
+    # sys.modules and silently caches nothing on a frame whose module it cannot find.
+    scope = {**names, "__builtins__": __builtins__, "__name__": function.__module__, "__torchdi_names__": tuple(names)}
+    return types.FunctionType(code, scope, name)
+
+
+class DynamoCache:
+    """Dynamo's cache entries for one entry point: their guard checks and transformed code.
+
+    Dynamo keeps, per code object, a list of cache entries: a guard manager (every guard it
+    installed while tracing: arguments, globals, closure cells, attributes, helper functions, the
+    grad mode and the rest of the global state) and the transformed bytecode it runs when those
+    guards pass. Frame evaluation does exactly this: find the first entry whose guards pass, run
+    its bytecode, else compile a new entry. ``lookup`` does the same first step from Python,
+    without ``torch.compile``'s per-call wrapper; a miss is the caller's cue to call through
+    ``torch.compile``, which recompiles where raw ``torch.compile`` would. Without the
+    ``"guard_lookup"`` internals, ``fast`` stays ``False`` and every call goes through
+    ``torch.compile``.
+
+    Args:
+        function: the entry point passed to ``torch.compile`` (from ``fresh_entry_point``).
+
+    Attributes:
+        entries: ``(guard check, transformed code)`` per cache entry, newest first.
+        fast: whether ``lookup`` may be used. The transformed code of a graph with breaks calls
+            resume functions that only dynamo's frame evaluation compiles: then every call must
+            go through ``torch.compile``.
+        in_flight: the arguments by name of the call now going through ``call`` (``None``
+            between calls: a preparation keeps no user data), for ``recompile_cause``.
+    """
+
+    def __init__(self, function: types.FunctionType) -> None:
+        self.function = function
+        self.entries: tuple[tuple[Any, Any], ...] = ()
+        self.fast = False
+        self.readable = True  # whether this torch lets torchdi read the entries ("guard_lookup")
+        self.in_flight: dict[str, Any] | None = None
+
+    def refresh(self) -> None:
+        """Read the current cache entries (after a compilation added one)."""
+        entries = cache_entries(self.function.__code__)
+        if entries is None:
+            self.entries, self.fast, self.readable = (), False, False
+            return
+        fast = []
+        for check, code, _ in entries:
+            names = code.co_names
+            one_graph = sum(name.startswith("__compiled_fn") for name in names) == 1
+            if not one_graph or any(name.startswith("__resume") for name in names):
+                self.entries, self.fast = (), False
+                return
+            transformed = types.FunctionType(code, self.function.__globals__, self.function.__code__.co_name)
+            fast.append((check, transformed))
+        self.entries, self.fast = tuple(fast), bool(fast)
+
+    def lookup(self, frame_locals: dict[str, Any]) -> Any:
+        """The transformed code of the first entry whose guards pass for ``frame_locals`` (the
+        entry point's arguments by name), or ``None``: dynamo would then compile."""
+        for check, transformed in self.entries:
+            if check(frame_locals):
+                return transformed
+        return None
+
+    def call(self, compiled: Callable[..., Any], args: tuple[Any, ...], frame_locals: dict[str, Any], settings: Mapping[str, Any]) -> Any:
+        """Call ``compiled`` (``torch.compile`` of the entry point) through dynamo's frame
+        evaluation: its guards, and a recompilation where none of its entries' pass.
+
+        Args:
+            compiled: what ``torch.compile(entry point)`` returned.
+            args: its arguments.
+            frame_locals: the same arguments as the entry point's frame names them (what its
+                guards read); ``recompile_cause`` reads them while the call runs.
+            settings: ``torch._dynamo.config`` values the call runs under (knobs this torch
+                lacks are left out).
+
+        Returns:
+            The entry point's result. The entries are read again when the call compiled one.
+        """
+        before = self._transformed_codes()
+        self.in_flight = frame_locals
+        try:
+            with patched_config(dict(settings)):
+                result = compiled(*args)
+        finally:
+            self.in_flight = None
+        if before is not None and self._transformed_codes() != before:
+            self.refresh()
+        return result
+
+    def _transformed_codes(self) -> tuple[types.CodeType, ...] | None:
+        entries = cache_entries(self.function.__code__)
+        return None if entries is None else tuple(code for _, code, _ in entries)
+
+    def recompile_cause(self) -> str:
+        """Why the call in flight recompiles: dynamo's words for the guard of the newest cache
+        entry that fails for its arguments (asked from the compiler, before the new entry exists)."""
+        if self.in_flight is None:
+            return "of a change"
+        entries = cache_entries(self.function.__code__)
+        if entries is None:
+            return "one of dynamo's guards failed (TORCH_LOGS=recompiles names it)"
+        if not entries:
+            return "dynamo's cache for it was emptied (torch._dynamo.reset())"
+        try:
+            info = entries[0][2].guard_manager.check_verbose(self.in_flight)
+            parts = [" ".join(part.split()) for part in info.verbose_code_parts if part.strip()]
+        except Exception:  # a guard that cannot say why: the recompilation still happens
+            parts = []
+        return ("this guard failed: " + "; ".join(parts)) if parts else "one of dynamo's guards failed"
+
+
+def release(backend_key: int, holder: list[types.FunctionType]) -> None:
+    """Free what dynamo holds for a dropped preparation.
+
+    Dynamo keeps its backend in a module-level cache (by ``id``), and keeps the globals of a
+    compiled frame (where it installs the compiled graphs, next to the runner and so ``f``)
+    alive through a cleanup hook tied to the cache entry on the frame's code object: a cycle
+    through C-level state that the garbage collector cannot see. Emptying the cache and dropping
+    the entry point's globals breaks it (dynamo's own hooks remove the names it installed).
+    Without ``"release"``'s internals, emptying the globals (ours and the compiled graphs
+    dynamo installed there) is what frees ``f`` and the graphs.
+
+    Args:
+        backend_key: ``id`` of the backend object passed to ``torch.compile``.
+        holder: a list holding the entry point, if it was made (filled after the finalizer was
+            registered, so that the finalizer does not keep the preparation alive).
+    """
+    released = release_code(holder[0].__code__ if holder else None, backend_key)
+    if holder:
+        scope = holder[0].__globals__
+        for name in scope.get("__torchdi_names__", ()):  # ours: dynamo's hooks remove its own
+            scope.pop(name, None)
+        if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
+            for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
+                scope[name] = None
