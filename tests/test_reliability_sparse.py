@@ -162,7 +162,10 @@ def test_item02_tracer_does_not_bake_constant_values(name, use):
 
 @ON_DENSE
 def test_item02_module_constant_parameters_are_not_read(name):
-    zeroed, trained = torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Linear(4, 4, dtype=torch.float64)
+    # Frozen parameters: with trainable ones under grad mode the sparse result would be an outer
+    # derivative's input too, which AutoSparse refuses at once (rule 10).
+    zeroed = torch.nn.Linear(4, 4, dtype=torch.float64).requires_grad_(False)
+    trained = torch.nn.Linear(4, 4, dtype=torch.float64).requires_grad_(False)
     with torch.no_grad():
         zeroed.weight.zero_()
     backend = td.AutoSparse(DENSE[name])
@@ -257,7 +260,9 @@ BACKENDS_19 = {**DENSE, "finitediff": td.AutoFiniteDiff(), "sparse": td.AutoSpar
 
 
 def _model_and_batch():
-    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    # Frozen: a compiled backend refuses at once (rule 10) a call whose f reads trainable
+    # parameters under grad mode, which is this slip's other symptom.
+    model = torch.nn.Linear(3, 1, dtype=torch.float64).requires_grad_(False)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return model, params, torch.randn(5, 3, dtype=torch.float64)
 
