@@ -348,21 +348,29 @@ def symmetric_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarr
     return colors
 
 
-def star_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
-    """A greedy star colouring of the adjacency graph of the symmetric ``pattern`` (best of the
-    orders): a proper colouring where every path on four vertices uses at least three colours,
-    so that every entry can be read directly from one HVP."""
+
+def _best_symmetric_sweep(
+    pattern: IndexSets, coloring: GreedyColoring, sweep: Callable[[IndexSets, np.ndarray, np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """The colouring with fewest colours that ``sweep`` finds over ``coloring``'s orders, on the
+    adjacency graph of the symmetric ``pattern`` (a complete graph: one colour per vertex, no search)."""
     graph = adjacency(pattern)
     if _complete(graph):
         return np.arange(graph.nrows, dtype=np.int64)
     eid = _edge_ids(graph)
     best: np.ndarray | None = None
     for order in coloring.orders:
-        colors = _star_sweep(graph, eid, vertex_order(graph, order, coloring.seed))
+        colors = sweep(graph, eid, vertex_order(graph, order, coloring.seed))
         if best is None or colors.max(initial=-1) < best.max(initial=-1):
             best = colors
     assert best is not None
     return best
+
+def star_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
+    """A greedy star colouring of the adjacency graph of the symmetric ``pattern`` (best of the
+    orders): a proper colouring where every path on four vertices uses at least three colours,
+    so that every entry can be read directly from one HVP."""
+    return _best_symmetric_sweep(pattern, coloring, _star_sweep)
 
 
 @_without_cyclic_gc
@@ -447,17 +455,7 @@ def acyclic_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray
     """A greedy acyclic colouring of the adjacency graph of the symmetric ``pattern`` (best of the
     orders): a proper colouring where every cycle uses at least three colours, so that the edges
     between any two colours form a forest, solved by substitution from its leaves."""
-    graph = adjacency(pattern)
-    if _complete(graph):
-        return np.arange(graph.nrows, dtype=np.int64)
-    eid = _edge_ids(graph)
-    best: np.ndarray | None = None
-    for order in coloring.orders:
-        colors = _acyclic_sweep(graph, eid, vertex_order(graph, order, coloring.seed))
-        if best is None or colors.max(initial=-1) < best.max(initial=-1):
-            best = colors
-    assert best is not None
-    return best
+    return _best_symmetric_sweep(pattern, coloring, _acyclic_sweep)
 
 
 @_without_cyclic_gc
