@@ -141,22 +141,6 @@ class FuncEngine:
 
         return run
 
-    def _jacobian_with_aux(self, f: Any, spec: Any) -> Any:
-        forward = spec.x.numel < spec.y.numel if self.mode is None else self.mode == "forward"
-
-        def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
-                y, aux = f(x_, contexts)
-                return y, (y, aux)
-
-            if forward:
-                jac, value = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
-            else:
-                jac, value = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
-            return value, jac
-
-        return run
-
     def _pullback(self, f: Any, spec: Any) -> Any:
         single = spec.n_tangents == 1
 
@@ -230,19 +214,22 @@ class FuncEngine:
         # Reverse mode builds one row per output, forward mode one column per input; the
         # backend's mode= forces one.
         forward = spec.x.numel < spec.y.numel if self.mode is None else self.mode == "forward"
+        with_aux = spec.has_aux
 
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def with_value(x_: torch.Tensor) -> tuple[Any, Any]:
-                y = f(x_, contexts)
-                return y, y
+                out = f(x_, contexts)  # (y, aux) with has_aux: the value the runner returns
+                return (out[0] if with_aux else out), out
 
             if forward:
-                jac, y = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
+                jac, value = jacfwd(with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
-                jac, y = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
-            return y, jac
+                jac, value = jacrev(with_value, has_aux=True, chunk_size=self.chunk_size)(x)
+            return value, jac
 
         return run
+
+    _jacobian_with_aux = _jacobian  # f's aux rides in the value jacrev/jacfwd already carry out
 
     def _hvp(self, f: Any, spec: Any) -> Any:
         single = spec.n_tangents == 1
