@@ -52,14 +52,49 @@ def forward(kind: str, model: nn.Module, inputs: torch.Tensor, labels: torch.Ten
     return call(inputs, labels=labels).loss  # type: ignore[operator]
 
 
-def shard(model: nn.Module, mesh: object) -> nn.Module:
+def shard(model: nn.Module, mesh: object, placement: Callable | None = None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     blocks = [m for m in model.modules() if type(m).__name__ == "GPT2Block"]  # GPT-2's lm_head is tied to wte
     for module in blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]:
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(module, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     return model
+
+
+def shard_columns(param: torch.Tensor) -> object:
+    """Matrices sharded on dim 1 where it splits evenly (FSDP2 requires it), others on dim 0
+    (fully_shard's shard_placement_fn): the MLP's parameters get mixed placements."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.dim() > 1 and param.shape[1] % dist.get_world_size() == 0 else Shard(0)
+
+
+def make_mesh(layout: str) -> object:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if layout == "hsdp":  # 2-D: replicated across the processes, sharded within each (of one)
+        return init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def largest_gathers(step: Callable[[], object]) -> list[int]:
+    """The element counts of the parameter all-gathers ``step`` makes through ``torch.distributed``
+    (FSDP2's own gathering calls ``dist.all_gather_single``), in order."""
+    sizes: list[int] = []
+    real = dist.all_gather_single
+
+    def spy(output: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sizes.append(output.numel())
+        return real(output, *args, **kwargs)
+
+    dist.all_gather_single = spy
+    try:
+        step()
+    finally:
+        dist.all_gather_single = real
+    return sizes
 
 
 BACKENDS = {
@@ -88,13 +123,13 @@ def collectives(step: Callable[[], object]) -> dict[str, int]:
     return counts
 
 
-def train_fsdp(kind: str, backend_name: str, wrapped: bool = True) -> dict:
-    """10 Adam steps: eager FSDP2 (loss.backward()) against torchdi on the same sharded model."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def train_fsdp(kind: str, backend_name: str, wrapped: bool = True, layout: str = "fsdp") -> dict:
+    """10 Adam steps: eager FSDP2 (loss.backward()) against torchdi on the same sharded model
+    (``layout``: "fsdp" a 1-D mesh, Shard(0); "hsdp" a 2-D mesh; "columns" Shard(1) matrices)."""
+    mesh = make_mesh(layout)
+    placement = shard_columns if layout == "columns" else None
     make = mlp if kind == "mlp" else gpt2
-    reference, model = shard(make(), mesh), shard(make(), mesh)
+    reference, model = shard(make(), mesh, placement), shard(make(), mesh, placement)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     params = dict(model.named_parameters())
@@ -105,7 +140,7 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True) -> dict:
 
     rank = dist.get_rank()
     prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch(kind, 0, rank)))
-    placements, first = True, None
+    placements, first, gathers = True, None, []
     for step in range(STEPS):
         data = batch(kind, step, rank)
         ref_opt.zero_grad()
@@ -113,13 +148,24 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True) -> dict:
         ref_opt.step()
         optimizer.zero_grad()
         result: list = []
-        counted = collectives(lambda result=result, data=data: result.append(td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params))))
+        run = lambda result=result, data=data: result.append(td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params)))  # noqa: E731
+        if step == 0:
+            gathers = largest_gathers(run)
+        else:
+            counted = collectives(run)
         loss, grads = result[0]
         first = float(loss) if first is None else first
         placements &= all(type(g).__name__ == "DTensor" and g.placements == params[n].placements and g is params[n].grad for n, g in grads.items())
         optimizer.step()
-    moved = max_difference(model, shard(make(), mesh))
-    return {"difference": max_difference(model, reference), "moved": moved, "placements": placements, "compilations": prep.num_compilations, "collectives": counted}
+    moved = max_difference(model, shard(make(), mesh, placement))
+    world = mesh.size()  # type: ignore[attr-defined]
+    units = [m for m in model.modules() if type(m).__name__ in ("FSDPLinear", "FSDPGPT2Block")]
+    unit_sizes = [sum(-(-p.shape[0] // world) * world * p[0].numel() for p in unit.parameters()) for unit in units]  # padded as FSDP2 pads
+    return {
+        "difference": max_difference(model, reference), "moved": moved, "placements": placements,
+        "compilations": prep.num_compilations, "collectives": counted, "gathers": gathers,
+        "largest_unit": max(unit_sizes, default=0), "total": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def train_ddp(kind: str, backend_name: str) -> dict:
@@ -214,6 +260,9 @@ def errors() -> dict:
 CHECKS = {
     "fsdp-mlp-autograd": lambda: train_fsdp("mlp", "autograd"),
     "fsdp-mlp-autograd-unwrapped": lambda: train_fsdp("mlp", "autograd", wrapped=False),
+    "fsdp-gpt2-autograd": lambda: train_fsdp("gpt2", "autograd"),
+    "hsdp-mlp-autograd": lambda: train_fsdp("mlp", "autograd", layout="hsdp"),
+    "columns-mlp-autograd": lambda: train_fsdp("mlp", "autograd", layout="columns"),
     "fsdp-mlp-func": lambda: train_fsdp("mlp", "func"),
     "fsdp-mlp-compile": lambda: train_fsdp("mlp", "compile"),
     "fsdp-gpt2-func": lambda: train_fsdp("gpt2", "func"),

@@ -160,6 +160,8 @@ def _dtensor_type() -> type | None:
 # and whether a DataParallel runner is running f on gathered (full, plain) parameters.
 _HOOKS_OFF: set[int] = set()
 _GATHERED = [0]
+# Whether a DataParallel(AutoAutograd()) runner runs f with FSDP2's own hooks on (FSDPUnits).
+_NATIVE = [0]
 _LOCK = threading.Lock()
 
 
@@ -274,6 +276,12 @@ def functional_call(
     """
     several = isinstance(parameter_and_buffer_dicts, (tuple, list))
     dicts = tuple(parameter_and_buffer_dicts) if several else (parameter_and_buffer_dicts,)
+    if _NATIVE[0]:
+        # Inside DataParallel(AutoAutograd()) on FSDP2 parameters: the module runs as FSDP2
+        # intends, its hooks gathering each unit's parameters; so the tensors passed must be
+        # the module's own (views of them), else they would silently not be what is computed with.
+        _check_own_tensors(module, dicts)
+        return module(*args, **(kwargs or {}))
     if _GATHERED[0]:
         # Inside a DataParallel runner: full plain tensors, FSDP's hooks already off (switched
         # outside any compiled program, which would otherwise have to trace the switching).
@@ -301,11 +309,131 @@ def _full(module: torch.nn.Module, name: str, value: Any, dtensor: type) -> Any:
     return value
 
 
+def _check_own_tensors(module: torch.nn.Module, dicts: tuple[Any, ...]) -> None:
+    for d in dicts:
+        for name, value in d.items():
+            own = _registered(module, name)
+            if own is None:
+                try:
+                    own = module.get_buffer(name)
+                except AttributeError:
+                    own = None
+            if own is None or not isinstance(value, torch.Tensor) or _storage_key(value) != _storage_key(own):
+                raise ValueError(
+                    f"torchdi.distributed.functional_call: under DataParallel(AutoAutograd()) the FSDP2-sharded "
+                    f"module runs with FSDP2's own hooks, which compute with its own parameters, but {name!r} is "
+                    "another tensor. Pass the module's own tensors (params = dict(model.named_parameters()), "
+                    "x of the gradient), or use DataParallel(AutoFunc()) / DataParallel(AutoCompile()), which "
+                    "compute with the tensors passed."
+                )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where ``t``'s elements live (its local shard for a DTensor): equal for a tensor and its detached views."""
+    dtensor = _dtensor_type()
+    local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype)
+
+
 def _registered(module: torch.nn.Module, name: str) -> Any:
     try:
         return module.get_parameter(name)
     except AttributeError:
         return None
+
+
+class FsdpUnits:
+    """FSDP2 modules run with their own hooks, for ``DataParallel(AutoAutograd())``: layer by layer.
+
+    Eager FSDP2 all-gathers each ``fully_shard``-ed unit's parameters in a forward pre-hook, frees
+    them after the unit's forward, gathers them again before its backward (prefetching the next
+    unit's while one computes) and reduce-scatters each unit's gradients as soon as they exist,
+    so a process never holds more than a unit or two of full parameters. Under eager autograd
+    torchdi runs exactly that: ``f`` calls the module itself (``functional_call`` passes through
+    when given the module's own tensors), the backward runs over FSDP2's unsharded parameters
+    (``inputs=``, so no other tensor's ``.grad`` moves), and the sharded gradients FSDP2 writes
+    into the parameters' ``.grad`` are taken (and every ``.grad`` put back as it was). What
+    ``fully_shard`` accepts works as it does for FSDP2: any mesh (HSDP's 2-D one), any shard
+    placement, mixed precision, prefetching.
+    """
+
+    def __init__(self, roots: list[torch.nn.Module], owned: dict[tuple[Any, ...], torch.nn.Parameter]) -> None:
+        fsdp = _fsdp_module_type()
+        self.roots = roots
+        self.owned = owned  # the sharded parameters, by where their shards live
+        self.units = [m for root in roots for m in root.modules() if fsdp is not None and isinstance(m, fsdp)]
+
+    @staticmethod
+    def of(x: Any, contexts: tuple[Any, ...]) -> FsdpUnits | None:
+        """The FSDP2 roots among ``contexts`` when every leaf of ``x`` is one of their sharded
+        parameters (or a detached view of one), else ``None``."""
+        fsdp, dtensor = _fsdp_module_type(), _dtensor_type()
+        leaves = pytree.tree_leaves(x)
+        if fsdp is None or dtensor is None or not leaves or not all(isinstance(leaf, dtensor) for leaf in leaves):
+            return None
+        roots = [m for m in pytree.tree_leaves(contexts) if isinstance(m, fsdp)]
+        owned: dict[tuple[Any, ...], torch.nn.Parameter] = {}
+        for root in roots:
+            for param in root.parameters():
+                if isinstance(param, dtensor):
+                    owned.setdefault(_storage_key(param), param)
+        units = FsdpUnits(roots, owned)
+        return units if units.match(leaves) is not None else None
+
+    def match(self, leaves: list[Any]) -> list[torch.nn.Parameter] | None:
+        """The sharded parameters that ``leaves`` are (views of), or ``None`` if one is not."""
+        dtensor = _dtensor_type()
+        params = [self.owned.get(_storage_key(leaf)) if dtensor is not None and isinstance(leaf, dtensor) else None for leaf in leaves]
+        if any(p is None for p in params) or len({id(p) for p in params}) != len(params):
+            return None
+        return params  # type: ignore[return-value]
+
+    def gradient(self, f: Callable[..., Any], x: Any, params: list[torch.nn.Parameter], contexts: tuple[Any, ...],
+                 op: str, needs_value: bool) -> tuple[Any, Any]:
+        """``f``'s value (reduced over the mesh) and the gradient, as FSDP2's backward leaves it."""
+        dtensor = _dtensor_type()
+        stashed = [(p, p.grad) for p in self.owned.values()]
+        unsharded: dict[int, torch.Tensor] = {}
+
+        def record(module: torch.nn.Module, args: Any) -> None:
+            # Runs after FSDP2's own pre-forward hook (registered first, with prepend=True):
+            # the unit's parameters are now the full tensors FSDP2 gathered, the leaves of the backward.
+            for param in module.parameters():
+                if param.requires_grad and not isinstance(param, dtensor):  # type: ignore[arg-type]
+                    unsharded[id(param)] = param
+
+        handles = [unit.register_forward_pre_hook(record) for unit in self.units]
+        try:
+            for p, _ in stashed:
+                p.grad = None
+            with torch.enable_grad():
+                _NATIVE[0] += 1
+                try:
+                    value = f(x, contexts)
+                finally:
+                    _NATIVE[0] -= 1
+                    for handle in handles:
+                        handle.remove()
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"DataParallel: f must return a tensor, got {type(value).__name__}")
+                if value.requires_grad and unsharded:
+                    torch.autograd.backward(value, inputs=list(unsharded.values()))
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        finally:
+            for p, grad in stashed:
+                p.grad = grad
+        mesh = params[0].device_mesh  # type: ignore[attr-defined]
+        world = mesh.size()
+        if op == "sum":  # FSDP2 averages over the mesh
+            grads = [g * world for g in grads]
+        value = value.detach()
+        if needs_value:
+            value = value.clone()
+            for dim in range(mesh.ndim):  # the sum over every process of the mesh
+                torch.distributed.all_reduce(value, group=mesh.get_group(dim))
+            if op == "mean":
+                value = value * (1.0 / world)
+        return value, pytree.tree_unflatten(grads, pytree.tree_structure(x))
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from torchdi.backends import AutoCompile, DataParallel
-from torchdi.distributed import Layout, reduced_gradient, require_process_group, running_gathered
+import torch
+from torch.utils import _pytree as pytree
+
+from torchdi.backends import AutoAutograd, AutoCompile, DataParallel
+from torchdi.distributed import FsdpUnits, Layout, reduced_gradient, require_process_group, running_gathered
 from torchdi.engines.compile import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
@@ -31,6 +34,8 @@ class DataParallelRunner:
         self.spec = spec
         self.layout: Layout | None = None
         self.inner: Any = None
+        # FSDP2 x on AutoAutograd: FSDP2's own hooks, layer by layer (distributed.FsdpUnits)
+        self.units: FsdpUnits | None = None
 
     @property
     def num_compilations(self) -> int:
@@ -39,8 +44,12 @@ class DataParallelRunner:
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         """Fix ``x``'s layout and build (and on ``AutoCompile`` compile) the reduced gradient."""
         who = repr(self.backend)
-        self.layout = Layout.of(x, self.backend.group, who)
         wrapped = self.backend.backend
+        if isinstance(wrapped, AutoAutograd) and self.units is None:
+            self.units = FsdpUnits.of(x, contexts)
+            if self.units is not None:
+                return  # the gathering route is built only if a call needs it (see __call__)
+        self.layout = Layout.of(x, self.backend.group, who)
         eager = wrapped.inner if isinstance(wrapped, AutoCompile) else wrapped
         body = reduced_gradient(self.layout, build_runner(eager, "gradient", self.f, self.spec), self.backend.op)
         if isinstance(wrapped, AutoCompile):
@@ -52,6 +61,14 @@ class DataParallelRunner:
             self.inner = body
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        if self.layout is None and self.units is None:
+            self.warm_up(x, tangents, contexts)
+        if self.units is not None and not torch.is_grad_enabled():
+            params = self.units.match(pytree.tree_leaves(x))
+            if params is not None:
+                return self.units.gradient(self.f, x, params, contexts, self.backend.op, self.spec.needs_value)
+        # Not the FSDP2 modules' own parameters, or an outer derivative (whose graph FSDP2's
+        # hooks would not build): the shards gathered whole around the wrapped backend.
         if self.layout is None:
             self.warm_up(x, tangents, contexts)
         assert self.layout is not None
