@@ -9,6 +9,8 @@ batches. Contenders, each on its own copy of the model from the same seed:
 - ``torchdi FSDP2``: the same sharded model, ``params = dict(model.named_parameters())`` (DTensors),
   ``td.value_and_gradient(loss_fn, DataParallel(AutoCompile()), ..., out=td.into_grad(params))``:
   all-gather, gradient and reduce-scatter in one compiled program.
+- ``torchdi FSDP2 eager``: the same on ``DataParallel(AutoAutograd())``: FSDP2's own hooks
+  gather and reduce unit by unit (as ``FSDP2 eager``).
 - ``torch.compile(DDP(model))``: a replicated model, DDP's bucketed all-reduce in backward hooks.
 - ``torchdi data parallel``: the replicated model, ``DataParallel(AutoCompile())``: the
   bucketed all-reduce inside the compiled program.
@@ -19,12 +21,16 @@ processes in step through a barrier), with the ratio to the contender's PyTorch 
 all from the same run.
 
 ``--memory`` measures instead the per-process peak memory of a step, FSDP2 eager against torchdi
-on ``DataParallel(AutoFunc())`` (eager, so that no compiler's own memory counts), on a model whose
+on ``DataParallel(AutoAutograd())`` (FSDP2's hooks, unit by unit) and ``DataParallel(AutoFunc())``
+(all shards gathered at once) (eager, so that no compiler's own memory counts), on a model whose
 parameters dominate (an MLP of eight 1024x1024 layers, 8.4M parameters): each contender runs in
 its own pair of fresh processes and reports the largest resident set size (``/proc/self/statm``,
 sampled every 0.5 ms by a thread) during three steps, above the resident size before the first
-step (model and optimizer built). A rough measure (the allocator may keep freed memory), but
-the same for both.
+step (model and optimizer built). The processes run with ``MALLOC_MMAP_THRESHOLD_=65536``, so
+that every block of 64 KiB or more is returned to the system when freed and the resident size
+follows the live tensors (glibc's default raises the threshold as blocks are freed, and then
+keeps them: the peak would measure the allocator rather than the tensors). Still approximate,
+but the same for all.
 
 Run: ``python benchmarks/distributed.py [--repeats N] [--steps K] [--compiler inductor|aot_eager] [--markdown FILE]``
 or ``python benchmarks/distributed.py --memory``.
@@ -94,11 +100,12 @@ def backward_loop(model: nn.Module, compiled: str | None, data: list[torch.Tenso
     return step
 
 
-def torchdi_loop(model: nn.Module, sharded: bool, data: list[torch.Tensor], compiler: str) -> Step:
+def torchdi_loop(model: nn.Module, sharded: bool, data: list[torch.Tensor], compiler: str | None) -> Step:
+    """``compiler=None``: DataParallel(AutoAutograd()) (on FSDP2, FSDP2's own hooks, unit by unit)."""
     params = dict(model.named_parameters())
     optimizer = torch.optim.Adam(params.values(), lr=1e-3)
     call = td.distributed.functional_call if sharded else functional_call
-    backend = td.distributed.DataParallel(td.AutoCompile(compiler=compiler))
+    backend = td.distributed.DataParallel(td.AutoAutograd() if compiler is None else td.AutoCompile(compiler=compiler))
 
     def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return call(m, p, (ids,), {"labels": ids}).loss
@@ -119,6 +126,7 @@ CONTENDERS: dict[str, tuple[str | None, Callable[[list[torch.Tensor], str], Step
     "FSDP2 eager": (None, lambda d, c: backward_loop(shard(gpt2()), None, d, c)),
     "FSDP2 + torch.compile(model)": (None, lambda d, c: backward_loop(shard(gpt2()), "model", d, c)),
     "torchdi FSDP2": ("FSDP2 + torch.compile(model)", lambda d, c: torchdi_loop(shard(gpt2()), True, d, c)),
+    "torchdi FSDP2 eager": ("FSDP2 eager", lambda d, c: torchdi_loop(shard(gpt2()), True, d, None)),
     "torch.compile(DDP(model))": (None, lambda d, c: backward_loop(nn.parallel.DistributedDataParallel(gpt2()), "model", d, c)),
     "torchdi data parallel": ("torch.compile(DDP(model))", lambda d, c: torchdi_loop(gpt2(), False, d, c)),
 }
@@ -232,6 +240,7 @@ MEMORY_BACKENDS = {"torchdi DataParallel(AutoAutograd())": td.AutoAutograd(), "t
 
 
 def measure_memory() -> int:
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned processes (see above)
     rows = {}
     for contender in ("FSDP2 eager", *MEMORY_BACKENDS):
         with socket.socket() as s:

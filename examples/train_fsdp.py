@@ -4,7 +4,9 @@ The model is sharded with FSDP2 (``fully_shard`` on each layer and on the root),
 holds only a shard of every parameter (a DTensor). torchdi differentiates it through the
 ``torchdi.distributed.DataParallel`` backend: each step all-gathers the shards, computes the
 gradient of this process's loss, and reduce-scatters it back, averaged over the processes, as
-FSDP2 does; on ``AutoCompile`` all of it is one compiled program. The gradients come back as
+FSDP2 does; on ``AutoCompile`` all of it is one compiled program. With ``--backend autograd``
+FSDP2's own hooks run instead, gathering the parameters layer by layer (eager FSDP2's memory,
+its prefetching, any mesh or placement ``fully_shard`` takes). The gradients come back as
 DTensors sharded like the parameters and ``into_grad`` writes them into ``.grad``. Each process
 then also trains the same model with eager FSDP2 (``loss.backward()``) and rank 0 prints the
 largest parameter difference.

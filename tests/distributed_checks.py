@@ -239,6 +239,18 @@ def errors() -> dict:
         lambda: td.gradient(helper_loss, td.AutoFunc(), params, td.Constant(model), data),
         td.UnsupportedOperatorError, "DataParallel(torchdi.AutoFunc())",
     )
+    def copy_loss(params, model, data):  # computes with other tensors than the module's own
+        return helper_loss({n: p * 1.0 for n, p in params.items()}, model, data)
+
+    out["fsdp_native_other_tensors"] = expect_error(
+        lambda: td.gradient(copy_loss, td.distributed.DataParallel(td.AutoAutograd()), params, td.Constant(model), data),
+        ValueError, "FSDP2's own hooks", "DataParallel(AutoFunc())",
+    )
+    columns = shard(mlp(), make_mesh("fsdp"), shard_columns)
+    out["fsdp_shard1_func"] = expect_error(
+        lambda: td.gradient(helper_loss, td.distributed.DataParallel(td.AutoFunc()), dict(columns.named_parameters()), td.Constant(columns), data),
+        ValueError, "Shard(dim=1)", "DataParallel(torchdi.AutoAutograd())",
+    )
     plain = mlp()
     mixed = {**{f"a.{n}": p for n, p in params.items()}, **{f"b.{n}": p for n, p in plain.named_parameters()}}
     out["mixed_placements"] = expect_error(

@@ -24,6 +24,7 @@ CHECKS = pathlib.Path(__file__).parent / "distributed_checks.py"
 # One pair of processes runs every two-process check (starting them is most of the time).
 TWO_PROCESS_CHECKS = (
     "fsdp-mlp-autograd", "fsdp-mlp-autograd-unwrapped", "fsdp-mlp-func", "fsdp-mlp-compile", "fsdp-gpt2-func",
+    "fsdp-gpt2-autograd", "hsdp-mlp-autograd", "columns-mlp-autograd",
     "ddp-mlp-autograd", "ddp-mlp-func", "ddp-mlp-compile", "ddp-gpt2-func", "errors",
 )
 
@@ -130,17 +131,25 @@ def two_process(name: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.startswith("fsdp-")])
+@pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.split("-")[0] in ("fsdp", "hsdp", "columns")])
 def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
-    """10 Adam steps on an FSDP2-sharded MLP (uneven split) or tiny GPT-2: the parameters equal
-    eager FSDP2's loss.backward() loop; every gradient is a DTensor with its parameter's
-    placements, written by into_grad into .grad; the parameters moved."""
+    """10 Adam steps on an FSDP2-sharded MLP (uneven split) or tiny GPT-2, on a 1-D mesh (or, on
+    AutoAutograd, HSDP's 2-D mesh and Shard(1) matrices): the parameters equal eager FSDP2's
+    loss.backward() loop; every gradient is a DTensor with its parameter's placements, written
+    by into_grad into .grad; the parameters moved."""
     result = two_process(check)
     assert result["difference"] <= 1e-5
     assert result["moved"] > 1e-2  # not a zero gradient: the parameters moved as eager FSDP2's did
     assert result["placements"]
     assert result["compilations"] == (1 if check.endswith("compile") else 0)  # one program, no recompilation
-    if "mlp" in check and "unwrapped" not in check:
+    if check.endswith("-autograd"):
+        # FSDP2's own hooks: the parameters gathered unit by unit, in forward and again in
+        # backward, never the whole model at once (HSDP's mesh here shards over one process:
+        # nothing to gather)
+        gathers = result["gathers"]
+        assert gathers == [] if check.startswith("hsdp") else len(gathers) >= 4
+        assert max(gathers, default=0) <= result["largest_unit"] < result["total"]
+    elif "mlp" in check and "unwrapped" not in check:
         # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
         # all-reduce) of the gradients, one all-reduce of the value, per step
         assert result["collectives"] == {"gloo:all_gather": 1, "gloo:all_reduce": 2}
@@ -164,6 +173,8 @@ def test_data_parallel_equals_ddp(check):
         "fsdp_plain_functional_call_func",
         "fsdp_plain_functional_call_unwrapped_func",
         "fsdp_helper_without_dataparallel_func",
+        "fsdp_native_other_tensors",
+        "fsdp_shard1_func",
         "mixed_placements",
         "ddp_module",
         "hessian_refused",

@@ -483,8 +483,11 @@ class Layout:
             if leaf.device_mesh != mesh or tuple(leaf.placements) != placements or mesh.ndim != 1 or placements != (Shard(0),):
                 raise ValueError(
                     f"{who}: x{pytree.keystr(path)} is a DTensor on mesh {leaf.device_mesh} with placements "
-                    f"{tuple(leaf.placements)}; mixed placements are not supported: every parameter must be sharded "
-                    f"on dim 0 over the same 1-D mesh (fully_shard's default), the first is {placements} on {mesh}."
+                    f"{tuple(leaf.placements)}; this backend gathers the shards itself and supports only parameters "
+                    f"all sharded on dim 0 over the same 1-D mesh (fully_shard's default), the first is {placements} "
+                    f"on {mesh}. Other placements (a 2-D mesh as in HSDP, Shard(1), mixed placements) work with "
+                    "DataParallel(torchdi.AutoAutograd()) and x = dict(model.named_parameters()) of FSDP2 modules: "
+                    "FSDP2's own hooks then gather and reduce them."
                 )
         mesh_group = mesh.get_group()
         if group is not None and group is not mesh_group:
