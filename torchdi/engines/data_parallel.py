@@ -17,7 +17,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd, AutoCompile, DataParallel
-from torchdi.distributed import FsdpUnits, Layout, reduced_gradient, require_process_group, running_gathered
+from torchdi.distributed import (
+    FsdpUnits,
+    Layout,
+    reduced_gradient,
+    require_process_group,
+    running_gathered,
+)
 from torchdi.engines.compile import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
