@@ -273,7 +273,9 @@ class DataParallel:
     - DTensors sharded by FSDP2 (``fully_shard``; ``x = dict(model.named_parameters())``): the
       shards are all-gathered before ``f`` runs and the gradients reduce-scattered back, so
       they come back as DTensors with the parameters' placements (FSDP2's own communication).
-      ``f`` calls ``torchdi.distributed.functional_call`` (which keeps FSDP2's hooks out).
+      ``f`` calls ``torchdi.distributed.functional_call`` (which keeps FSDP2's hooks out). On
+      ``AutoAutograd`` FSDP2's own hooks run instead, gathering the parameters layer by layer
+      (eager FSDP2's memory and prefetching; any mesh and placement ``fully_shard`` takes).
 
     On ``AutoCompile`` the collectives are inside the compiled program (traceable functional
     collectives); on eager backends they run eagerly around the gradient.

@@ -10,6 +10,8 @@ for the tensors passed in). The remedies:
 - ``DataParallel(backend)``: a backend whose gradients are reduced across processes. Plain
   ``x`` is all-reduced in flat buckets; FSDP2 DTensor ``x`` is all-gathered before ``f`` and its
   gradient reduce-scattered after, as FSDP2 does; on ``AutoCompile`` inside the compiled program.
+  On ``AutoAutograd``, FSDP2 ``x`` that is the modules' own parameters runs FSDP2's own hooks
+  instead (``FsdpUnits``): gathered layer by layer, with FSDP2's memory and prefetching.
 - ``functional_call(module, params, args)``: ``torch.func.functional_call`` that keeps FSDP2's
   hooks out and takes DTensor parameters (gathered differentiably on eager autograd).
 - ``all_reduce_(grads)``: average a pytree of gradients in place, once per step.
