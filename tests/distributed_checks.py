@@ -246,6 +246,12 @@ def errors() -> dict:
         lambda: td.gradient(copy_loss, td.distributed.DataParallel(td.AutoAutograd()), params, td.Constant(model), data),
         ValueError, "FSDP2's own hooks", "DataParallel(AutoFunc())",
     )
+    nosync = shard(mlp(), make_mesh("fsdp"))
+    nosync.set_requires_gradient_sync(False)
+    out["fsdp_native_gradient_sync_off"] = expect_error(
+        lambda: td.gradient(helper_loss, td.distributed.DataParallel(td.AutoAutograd()), dict(nosync.named_parameters()), td.Constant(nosync), data),
+        ValueError, "set_requires_gradient_sync(False)", "into_grad",
+    )
     columns = shard(mlp(), make_mesh("fsdp"), shard_columns)
     out["fsdp_shard1_func"] = expect_error(
         lambda: td.gradient(helper_loss, td.distributed.DataParallel(td.AutoFunc()), dict(columns.named_parameters()), td.Constant(columns), data),

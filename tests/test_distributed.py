@@ -174,6 +174,7 @@ def test_data_parallel_equals_ddp(check):
         "fsdp_plain_functional_call_unwrapped_func",
         "fsdp_helper_without_dataparallel_func",
         "fsdp_native_other_tensors",
+        "fsdp_native_gradient_sync_off",
         "fsdp_shard1_func",
         "mixed_placements",
         "ddp_module",

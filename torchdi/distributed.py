@@ -421,6 +421,15 @@ class FsdpUnits:
                     raise TypeError(f"DataParallel: f must return a tensor, got {type(value).__name__}")
                 if value.requires_grad and unsharded:
                     torch.autograd.backward(value, inputs=list(unsharded.values()))
+            if any(p.grad is not None for p in unsharded.values()):
+                # FSDP2 kept the unsharded gradients (set_requires_gradient_sync(False)): this
+                # call's sharded gradient does not exist; a zero in its place would be wrong.
+                raise ValueError(
+                    "DataParallel(AutoAutograd()): FSDP2's gradient synchronisation is off "
+                    "(set_requires_gradient_sync(False)), so FSDP2 accumulated this call's gradient unsharded "
+                    "and reduce-scattered nothing. Keep synchronisation on and accumulate with "
+                    "out=torchdi.into_grad(params) (it adds to .grad) instead."
+                )
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         finally:
             for p, grad in stashed:
