@@ -140,12 +140,17 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True, layout: str =
 
     rank = dist.get_rank()
     prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch(kind, 0, rank)))
-    placements, first, gathers = True, None, []
+    placements, first, gathers, value_error = True, None, [], 0.0
     for step in range(STEPS):
         data = batch(kind, step, rank)
         ref_opt.zero_grad()
-        forward(kind, reference, *data, reference).backward()
+        ref_loss = forward(kind, reference, *data, reference)
+        ref_loss.backward()
         ref_opt.step()
+        mean_loss = ref_loss.detach().clone()
+        if wrapped:  # DataParallel's value: the mean of the processes' losses
+            dist.all_reduce(mean_loss)
+            mean_loss /= dist.get_world_size()
         optimizer.zero_grad()
         result: list = []
         run = lambda result=result, data=data: result.append(td.value_and_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data), prep=prep, out=td.into_grad(params)))  # noqa: E731
@@ -155,6 +160,7 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True, layout: str =
             counted = collectives(run)
         loss, grads = result[0]
         first = float(loss) if first is None else first
+        value_error = max(value_error, abs(float(loss) - float(mean_loss)))
         placements &= all(type(g).__name__ == "DTensor" and g.placements == params[n].placements and g is params[n].grad for n, g in grads.items())
         optimizer.step()
     moved = max_difference(model, shard(make(), mesh, placement))
@@ -162,7 +168,7 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True, layout: str =
     units = [m for m in model.modules() if type(m).__name__ in ("FSDPLinear", "FSDPGPT2Block")]
     unit_sizes = [sum(-(-p.shape[0] // world) * world * p[0].numel() for p in unit.parameters()) for unit in units]  # padded as FSDP2 pads
     return {
-        "difference": max_difference(model, reference), "moved": moved, "placements": placements,
+        "difference": max_difference(model, reference), "value": value_error, "moved": moved, "placements": placements,
         "compilations": prep.num_compilations, "collectives": counted, "gathers": gathers,
         "largest_unit": max(unit_sizes, default=0), "total": sum(p.numel() for p in model.parameters()),
     }
