@@ -419,8 +419,17 @@ class FsdpUnits:
                         handle.remove()
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"DataParallel: f must return a tensor, got {type(value).__name__}")
+                mesh = params[0].device_mesh  # type: ignore[attr-defined]
+                total, pending = None, None
+                if needs_value:
+                    # The value's reduction starts now and runs while the backward computes
+                    # (every process issues it before FSDP2's backward collectives, in one order).
+                    total = value.detach().clone()
+                    pending = torch.distributed.all_reduce(total, group=mesh.get_group(0), async_op=True)
                 if value.requires_grad and unsharded:
                     torch.autograd.backward(value, inputs=list(unsharded.values()))
+                if pending is not None:
+                    pending.wait()
             if any(p.grad is not None for p in unsharded.values()):
                 # FSDP2 kept the unsharded gradients (set_requires_gradient_sync(False)): this
                 # call's sharded gradient does not exist; a zero in its place would be wrong.
@@ -434,17 +443,14 @@ class FsdpUnits:
         finally:
             for p, grad in stashed:
                 p.grad = grad
-        mesh = params[0].device_mesh  # type: ignore[attr-defined]
         world = mesh.size()
         if op == "sum":  # FSDP2 averages over the mesh
             grads = [g * world for g in grads]
         value = value.detach()
-        if needs_value:
-            value = value.clone()
-            for dim in range(mesh.ndim):  # the sum over every process of the mesh
-                torch.distributed.all_reduce(value, group=mesh.get_group(dim))
-            if op == "mean":
-                value = value * (1.0 / world)
+        if total is not None:
+            for dim in range(1, mesh.ndim):  # the sum over every process of the mesh
+                torch.distributed.all_reduce(total, group=mesh.get_group(dim))
+            value = total * (1.0 / world) if op == "mean" else total
         return value, pytree.tree_unflatten(grads, pytree.tree_structure(x))
 
 
