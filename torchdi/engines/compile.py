@@ -38,8 +38,10 @@ from torchdi.engines._dynamo import (
     RECOMPILE_LIMIT,
     DynamoCache,
     compile_function,
+    compiler_failure_errors,
     compiler_for,
     config_value,
+    dynamo_user_errors,
     forget_float_specializations,
     fresh_entry_point,
     release,
@@ -295,7 +297,7 @@ class CompiledRunner:
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
             ) from error
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except compiler_failure_errors() as error:
             if self.backend.compiler != "inductor":
                 raise
             # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
@@ -306,7 +308,7 @@ class CompiledRunner:
                 f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
                 f"compiler on this graph, not of f): {failure}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
-        except torch._dynamo.exc.UserError as error:
+        except dynamo_user_errors() as error:
             # Dynamo's refusals of the function itself, the data-dependent guard above all
             # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
             # average 1 / num_batches_tracked): as unsupported as a graph break.
