@@ -36,9 +36,10 @@ __all__ = [
 ]
 
 
-# The full result of each family's runner (what the value_ variant returns, tangents batched).
-# Runners return plain tuples in this order (compiled programs return tuples); code that reads
-# a result by field wraps it with ``family(name).result._make(out)`` or indexes by field name.
+# The full result of each family (what the value_ variant returns). The public value_ variants
+# return these NamedTuples on every backend (``value_and_gradient(...).gradient``; unpacking as a
+# tuple works as before). Runners inside return plain tuples in this order (compiled programs
+# return tuples, tangents batched); the value_ operator wraps them.
 class PushforwardResult(NamedTuple):
     value: Any
     dy: Any

@@ -79,7 +79,6 @@ import torch.autograd.forward_ad as fwAD
 
 __all__ = [
     "FAST_PATHS",
-    "GRAPH_BREAK_ERRORS",
     "RECOMPILE_LIMIT",
     "DynamoCache",
     "fresh_entry_point",
@@ -93,6 +92,7 @@ __all__ = [
     "dynamo_settings",
     "dynamo_user_errors",
     "forget_float_specializations",
+    "graph_break_errors",
     "forward_ad_level",
     "functorch_level",
     "functorch_unwrapped",
@@ -116,7 +116,10 @@ def _probe(getter: Callable[[], Any]) -> Any:
         return None
 
 
-# -- probes (once, at import) ------------------------------------------------------------------
+# -- probes (once: at import, or on first use for those that import dynamo) ----------------------
+
+# A probe not run yet (see _LAZY_PROBES).
+_UNPROBED: Any = object()
 
 # torch 2.1 .. 2.14.1 (the C++ guard manager, CacheEntry.guard_manager, since 2.4).
 _CACHE_ENTRY_LIST: Callable[[types.CodeType], Any] | None = _probe(
@@ -131,7 +134,7 @@ def _reset_code_and_backends() -> tuple[Callable[[types.CodeType], None], dict[i
 
 
 # torch 2.1 .. 2.14.1 (reset_code; cached_backends, a dict by id of the backend).
-_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _probe(_reset_code_and_backends)
+_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _UNPROBED
 
 # torch 2.0 .. 2.14.1.
 _COMPILER_WRAPPERS: tuple[type, type] | None = _probe(lambda: (torch._TorchCompileInductorWrapper, torch._TorchCompileWrapper))
@@ -150,10 +153,10 @@ def _lookup_backend() -> Callable[[str], Any]:
 
 
 # torch 2.0 .. 2.14.1: dynamo's registry of backends by name (the compiler wrappers' fallback).
-_LOOKUP_BACKEND: Callable[[str], Any] | None = _probe(_lookup_backend)
+_LOOKUP_BACKEND: Callable[[str], Any] | None = _UNPROBED
 
 # torch 2.6 .. 2.14.1 (symbolic floats).
-_TENSORIFY_STATE: Any = _probe(_tensorify_state)
+_TENSORIFY_STATE: Any = _UNPROBED
 
 
 def _unwrap_dead_wrappers() -> Callable[[Any], Any]:
@@ -213,7 +216,7 @@ def _dynamo_errors() -> tuple[type[BaseException], type[BaseException]]:
 
 
 # torch 2.0 .. 2.14.1: a compiler's failure, and dynamo's refusal of the function itself.
-_DYNAMO_ERRORS: tuple[type[BaseException], type[BaseException]] | None = _probe(_dynamo_errors)
+_DYNAMO_ERRORS: tuple[type[BaseException], type[BaseException]] | None = _UNPROBED
 
 # torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
 _COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
@@ -225,7 +228,7 @@ def _dynamo_config() -> Any:
     return torch._dynamo.config
 
 
-_CONFIG: Any = _probe(_dynamo_config)
+_CONFIG: Any = _UNPROBED
 
 
 def _graph_break_errors() -> tuple[type[BaseException], ...]:
@@ -236,7 +239,32 @@ def _graph_break_errors() -> tuple[type[BaseException], ...]:
 
 # torch 2.0 .. 2.14.1: what dynamo raises for a graph break under fullgraph=True. Without it,
 # nothing is taken for a graph break: the error surfaces as torch raised it.
-GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] = _probe(_graph_break_errors) or ()
+_GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] | None = _UNPROBED
+
+# The probes that import torch._dynamo (about a second, most of `import torchdi` otherwise) run
+# on first use, once: a program that never compiles never imports dynamo. (They import torch's
+# modules, not torchdi's: nothing here dodges an import cycle.)
+_LAZY_PROBES: dict[str, Callable[[], Any]] = {
+    "_RELEASE": _reset_code_and_backends,
+    "_LOOKUP_BACKEND": _lookup_backend,
+    "_TENSORIFY_STATE": _tensorify_state,
+    "_DYNAMO_ERRORS": _dynamo_errors,
+    "_CONFIG": _dynamo_config,
+    "_GRAPH_BREAK_ERRORS": _graph_break_errors,
+}
+
+
+def _lazy(name: str) -> Any:
+    """The probe ``name`` (one of ``_LAZY_PROBES``), probed now if it was not yet."""
+    value = globals()[name]
+    if value is _UNPROBED:
+        value = globals()[name] = _probe(_LAZY_PROBES[name])
+    return value
+
+
+def graph_break_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises for a graph break under ``fullgraph=True`` (``()``: none recognised)."""
+    return _lazy("_GRAPH_BREAK_ERRORS") or ()
 
 FAST_PATHS: dict[str, str] = {
     "guard_lookup": "evaluating dynamo's guards and running its transformed code without torch.compile's per-call wrapper",
@@ -305,7 +333,7 @@ def release_code(code: types.CodeType | None, backend_key: int) -> bool:
     """Drop dynamo's cache entries on ``code`` and its cached backend ``backend_key`` (``id`` of the
     object passed as ``backend=``). Returns whether it could (``False``: the caller empties what it
     owns instead)."""
-    hooks = _RELEASE
+    hooks = _lazy("_RELEASE")
     if hooks is None:
         warn_off("release")
         return False
@@ -330,7 +358,7 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
     """
     wrappers = _COMPILER_WRAPPERS
     if wrappers is None:
-        lookup = _LOOKUP_BACKEND
+        lookup = _lazy("_LOOKUP_BACKEND")
         if lookup is None:
             raise RuntimeError(
                 f"AutoCompile: torch {torch.__version__} has neither torch._TorchCompileWrapper nor "
@@ -364,7 +392,7 @@ RECOMPILE_LIMIT = 1024
 def dynamo_settings(wanted: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``wanted`` (``torch._dynamo.config`` knob -> value) this torch has; a
     missing knob is left out and named in one warning."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     if config is None:
         warn_off("dynamo_config", "no torch._dynamo.config")
         return {}
@@ -385,7 +413,7 @@ def _has_knob(config: Any, name: str) -> bool:
 
 def config_value(name: str, default: Any) -> Any:
     """``torch._dynamo.config.<name>``, or ``default`` where this torch lacks it."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     return default if config is None or not _has_knob(config, name) else getattr(config, name)
 
 
@@ -396,7 +424,7 @@ def patched_config(settings: dict[str, Any]) -> Iterator[None]:
     if not present:
         yield
         return
-    with _CONFIG.patch(present):
+    with _lazy("_CONFIG").patch(present):
         yield
 
 
@@ -408,7 +436,7 @@ def forget_float_specializations() -> None:
     too (and then recompiles on every new value). It is only meant for the restarts within one
     compilation, which happen inside dynamo, between these calls.
     """
-    state = _TENSORIFY_STATE
+    state = _lazy("_TENSORIFY_STATE")
     if state is None:
         return  # a torch without symbolic floats, or one that moved the record: nothing to forget
     with contextlib.suppress(AttributeError):
@@ -534,7 +562,7 @@ def dispatch_keys(tensor: torch.Tensor) -> str | None:
 
 def compiler_failure_errors() -> tuple[type[BaseException], ...]:
     """Dynamo's "the backend compiler failed" error class (``()``: none recognised)."""
-    errors = _DYNAMO_ERRORS
+    errors = _lazy("_DYNAMO_ERRORS")
     if errors is None:
         warn_off("dynamo_errors")
         return ()
@@ -543,7 +571,7 @@ def compiler_failure_errors() -> tuple[type[BaseException], ...]:
 
 def dynamo_user_errors() -> tuple[type[BaseException], ...]:
     """Dynamo's refusals of the traced function itself (a data-dependent guard...) (``()``: none recognised)."""
-    errors = _DYNAMO_ERRORS
+    errors = _lazy("_DYNAMO_ERRORS")
     if errors is None:
         warn_off("dynamo_errors")
         return ()
