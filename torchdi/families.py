@@ -154,6 +154,16 @@ FAMILIES: dict[str, Family] = {row.name: row for row in _ROWS}
 ALL_FAMILIES: frozenset[str] = frozenset(FAMILIES)
 FIRST_ORDER: frozenset[str] = frozenset(name for name, row in FAMILIES.items() if row.order == 1)
 SECOND_ORDER: frozenset[str] = ALL_FAMILIES - FIRST_ORDER
+#: The NamedTuples the value_ variants return.
+RESULT_TYPES: tuple[type[tuple[Any, ...]], ...] = tuple(row.result for row in _ROWS)
+
+
+def as_plain_tuple(result: Any) -> Any:
+    """``result`` as a plain tuple when it is a family's NamedTuple (else unchanged): pytree
+    comparisons then match a plain tuple of the same fields."""
+    return tuple(result) if isinstance(result, RESULT_TYPES) else result
+
+
 #: The families whose result is a matrix (``AutoSparse`` computes them sparse).
 MATRIX_FAMILIES: frozenset[str] = frozenset(name for name, row in FAMILIES.items() if row.matrix)
 
