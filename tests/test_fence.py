@@ -337,9 +337,11 @@ def test_compile_errors_without_dynamo_exceptions(without, caplog):
     def buffers():
         return td.State({k: v.clone() for k, v in bn.named_buffers()})
 
-    with pytest.raises(RuntimeError, match="cannot compile") as wrapped:
+    with pytest.raises(RuntimeError, match="cannot compile|cannot capture") as wrapped:
         td.gradient(loss, BACKEND, params, buffers(), td.Constant(batch))
     cause = type(wrapped.value.__cause__)
+    if not issubclass(cause, _dynamo.dynamo_user_errors()):
+        pytest.skip(f"torch {torch.__version__} reports this function as a graph break, not a UserError")
     without("dynamo_errors")
     with caplog.at_level(logging.WARNING, logger="torchdi"), pytest.raises(cause):
         td.gradient(loss, BACKEND, params, buffers(), td.Constant(batch))
