@@ -45,7 +45,10 @@ def value_and_derivative(
     has_aux: bool = False,
     y: Any = None,
 ) -> DerivativeResult:
-    """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
+    """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative.
+
+    Returned as a ``DerivativeResult(value, derivative)`` NamedTuple (unpacks as a plain tuple).
+    """
     value, dy = run_operator("derivative", "value_and_derivative", in_place(f, y, "value_and_derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     return DerivativeResult(write_value(value, y), write_out(dy, out, "value_and_derivative"))
 

@@ -37,7 +37,10 @@ def value_gradient_and_hessian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
 ) -> HessianResult:
-    """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian."""
+    """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian.
+
+    Returned as a ``HessianResult(value, gradient, hessian)`` NamedTuple (unpacks as a plain tuple).
+    """
     y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     return HessianResult(y, grad, write_out(hess, out, "value_gradient_and_hessian"))
 

@@ -38,7 +38,10 @@ def prepare_hvp(
 def gradient_and_hvp(
     f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
 ) -> HvpResult:
-    """``(gradient, (H dx1, H dx2, ...))`` of the scalar ``f`` at ``x``."""
+    """``(gradient, (H dx1, H dx2, ...))`` of the scalar ``f`` at ``x``.
+
+    Returned as a ``HvpResult(gradient, hvp)`` NamedTuple (unpacks as a plain tuple).
+    """
     grad, hvps = run_operator("hvp", "gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux=has_aux)
     return HvpResult(grad, unbatch(hvps, len(tx)))
 

@@ -48,7 +48,10 @@ def value_and_jacobian(
     has_aux: bool = False,
     y: Any = None,
 ) -> JacobianResult:
-    """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
+    """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``.
+
+    Returned as a ``JacobianResult(value, jacobian)`` NamedTuple (unpacks as a plain tuple).
+    """
     value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     return JacobianResult(write_value(value, y), write_out(jac, out, "value_and_jacobian"))
 

@@ -53,6 +53,8 @@ def value_and_pullback(
 ) -> PullbackResult:
     """``(f(x), (J^T dy1, J^T dy2, ...))``: the value and one vector-Jacobian product per cotangent.
 
+    Returned as a ``PullbackResult(value, dx)`` NamedTuple (unpacks as a plain tuple).
+
     Example::
 
         >>> y, (dx,) = torchdi.value_and_pullback(torch.sin, torchdi.AutoFunc(), torch.zeros(2), (torch.ones(2),))

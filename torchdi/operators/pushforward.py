@@ -54,6 +54,8 @@ def value_and_pushforward(
 ) -> PushforwardResult:
     """``(f(x), (J dx1, J dx2, ...))``: the value and one Jacobian-vector product per tangent.
 
+    Returned as a ``PushforwardResult(value, dy)`` NamedTuple (unpacks as a plain tuple).
+
     Example::
 
         >>> y, (dy,) = torchdi.value_and_pushforward(torch.sin, torchdi.AutoFunc(), torch.zeros(2), (torch.ones(2),))

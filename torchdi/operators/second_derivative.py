@@ -36,7 +36,10 @@ def value_derivative_and_second_derivative(
     f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
 ) -> SecondDerivativeResult:
-    """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative."""
+    """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative.
+
+    Returned as a ``SecondDerivativeResult(value, derivative, second_derivative)`` NamedTuple (unpacks as a plain tuple).
+    """
     y, dy, d2y = run_operator(
         "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux=has_aux,
         detached=out is not None,
