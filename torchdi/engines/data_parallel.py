@@ -24,7 +24,7 @@ from torchdi.distributed import (
     require_process_group,
     running_gathered,
 )
-from torchdi.engines.compile import CompiledRunner
+from torchdi.engines._compiled import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
 
