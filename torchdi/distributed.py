@@ -481,6 +481,10 @@ class Layout:
     @staticmethod
     def of(x: Any, group: Any, who: str) -> Layout:
         require_process_group(who)
+        # Probed here, eagerly: probed first inside the compiled program, the fence's cached
+        # module is a global that changes during the trace, and dynamo's guard on it then
+        # recompiles the program at the next call.
+        _funcol()
         leaves, spec = pytree.tree_flatten(x)
         dtensor = _dtensor_type()
         kinds = {dtensor is not None and isinstance(leaf, dtensor) for leaf in leaves}
