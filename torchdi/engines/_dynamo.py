@@ -41,6 +41,15 @@ The fast paths, by name (``FAST_PATHS``):
 - ``"set_grad_enabled"``: ``torch._C._set_grad_enabled`` (no context-manager object, ~1 us per
   call). Fallback: ``torch.set_grad_enabled(mode)`` called as a function.
 
+Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
+``torch.autograd.functional.jacobian/hessian(vectorize=True)`` and
+``gradcheck(check_batched_grad=True)`` batch cotangents with torch's legacy vmap
+(``torch._vmap_internals``). ``legacy_unbatch``/``legacy_rebatch`` turn its batched tensors into
+plain ones with the batch as a leading dimension and back (``torch._C._functorch.
+is_legacy_batchedtensor``, ``torch._remove_batch_dim``, ``torch._add_batch_dim``,
+``torch._C._vmapmode_increment_nesting``; torch 2.0 .. 2.14.1). Fallback: ``legacy_unbatch``
+returns ``None`` and the caller refuses clearly, naming ``torch.func``'s transforms.
+
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
 when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
 """
@@ -73,6 +82,9 @@ __all__ = [
     "forget_float_specializations",
     "forward_ad_level",
     "is_compiling",
+    "is_legacy_batched",
+    "legacy_rebatch",
+    "legacy_unbatch",
     "release_code",
     "set_grad_enabled",
     "transforms_active",
@@ -149,6 +161,20 @@ _FORWARD_AD_LEVEL: bool = isinstance(_probe(lambda: fwAD._current_level), int)
 
 # torch 1.x .. 2.14.1.
 _SET_GRAD_ENABLED: Callable[[bool], None] | None = _probe(lambda: torch._C._set_grad_enabled)
+
+
+def _legacy_vmap_api() -> tuple[Callable[[torch.Tensor], bool], Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[[], int], Callable[[], int]]:
+    return (
+        torch._C._functorch.is_legacy_batchedtensor,
+        torch._remove_batch_dim,
+        torch._add_batch_dim,
+        torch._C._vmapmode_increment_nesting,
+        torch._C._vmapmode_decrement_nesting,
+    )
+
+
+# torch 2.0 .. 2.14.1: torch's legacy vmap (torch._vmap_internals), which batched autograd uses.
+_LEGACY_VMAP = _probe(_legacy_vmap_api)
 
 # torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
 _COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
@@ -548,3 +574,68 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
         if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
             for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
                 scope[name] = None
+
+
+# -- torch's legacy vmap (is_grads_batched, vectorize=True, check_batched_grad) -----------------
+
+# Levels looked for above the calling thread's legacy vmap nesting: the autograd engine may run a
+# backward on a device thread whose own nesting count is 0.
+_LEGACY_LEVEL_MARGIN = 4
+
+
+def is_legacy_batched(tensor: Any) -> bool:
+    """Whether ``tensor`` is batched by torch's legacy vmap (``False`` when this torch cannot say)."""
+    api = _LEGACY_VMAP
+    return api is not None and isinstance(tensor, torch.Tensor) and bool(api[0](tensor))
+
+
+def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
+    """Plain tensors for legacy-vmap batched ones: every batch level as one leading dimension.
+
+    Returns ``(plain, levels, size)``: each of ``tensors`` with its batch dimensions (from every
+    level any of them carries, an unbatched one expanded) flattened into one leading dimension of
+    ``size``, and the ``(level, batch size)`` pairs ``legacy_rebatch`` needs. ``None`` when this
+    torch lacks the internals or a batch level could not be found (the caller refuses then).
+    """
+    api = _LEGACY_VMAP
+    if api is None:
+        return None
+    is_batched, remove_batch_dim, _, increment, decrement = api
+    current = increment() - 1  # the calling thread's legacy vmap nesting (read without changing it)
+    decrement()
+    # A level a tensor does not carry expands it by the batch size given: 0 tells "absent" apart
+    # from a present level (whose own size is used, and is never 0 for a batch that has rows).
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        if not is_batched(tensor):
+            continue
+        for level in range(max(current, 0) + _LEGACY_LEVEL_MARGIN, 0, -1):
+            if level in found:
+                continue
+            size = remove_batch_dim(tensor, level, 0, 0).shape[0]
+            if size:
+                found[level] = size
+    levels = tuple(sorted(found.items()))  # outermost (lowest) level first
+    plain = []
+    for tensor in tensors:
+        for level, size in reversed(levels):  # innermost first: each becomes the new leading dim
+            tensor = remove_batch_dim(tensor, level, size, 0)
+        if is_batched(tensor):
+            return None
+        plain.append(tensor.reshape(-1, *tensor.shape[len(levels) :]) if len(levels) != 1 else tensor)
+    total = 1
+    for _, size in levels:
+        total *= size
+    return tuple(plain), levels, total
+
+
+def legacy_rebatch(tensor: torch.Tensor, levels: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The inverse of ``legacy_unbatch`` for one result with the same leading batch dimension."""
+    api = _LEGACY_VMAP
+    assert api is not None
+    add_batch_dim = api[2]
+    if len(levels) != 1:
+        tensor = tensor.reshape(*(size for _, size in levels), *tensor.shape[1:])
+    for level, _ in levels:  # outermost first, as legacy vmap nests
+        tensor = add_batch_dim(tensor, 0, level)
+    return tensor
