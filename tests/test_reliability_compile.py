@@ -135,30 +135,113 @@ def test_item8_eager_forward_ad(name: str) -> None:
         assert g.num_compilations == compilations
 
 
+# -- item 9: torch's batched autograd (legacy vmap) through DifferentiateWith ---------------------
+
+
+def _coupled(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two outputs coupling neighbours, with a tensor Constant: every cotangent slot is exercised."""
+    return x.sin() * x.roll(1) * c, (x**3).sum(0, keepdim=True)
+
+
+LEGACY_BATCHED_CALLS = {
+    "jacobian-vectorize": lambda g, x: torch.autograd.functional.jacobian(g, x, vectorize=True),
+    "hessian-vectorize": lambda g, x: torch.autograd.functional.hessian(lambda x: sum(y.sum() for y in g(x)), x, vectorize=True),
+    "is_grads_batched": lambda g, x: torch.autograd.grad(
+        g(x), x, (torch.eye(4, dtype=x.dtype), torch.arange(4.0, dtype=x.dtype)[:, None]), is_grads_batched=True
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def legacy_batching_functions() -> dict[str, object]:
+    """One DifferentiateWith per backend, shared by the cases: preparations are made once."""
+    c = torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+
+    def bound(g: td.DifferentiateWith) -> object:
+        return lambda x: g(x, Constant(c))
+
+    functions = {name: bound(td.DifferentiateWith(_coupled, backend)) for name, backend in DW_BACKENDS.items()}
+    return functions | {"torch": lambda x: _coupled(x, c)}
+
+
+# (compiled: is_grads_batched only, the vectorize=True calls reach the same backward and cost compilations)
 @pytest.mark.parametrize(
-    "call",
-    [
-        lambda g, x: torch.autograd.functional.jacobian(g, x, vectorize=True),
-        lambda g, x: torch.autograd.functional.hessian(lambda x: g(x).sum(), x, vectorize=True),
-        lambda g, x: torch.autograd.grad(g(x), x, torch.eye(3, dtype=x.dtype), is_grads_batched=True),
-    ],
-    ids=["jacobian-vectorize", "hessian-vectorize", "is_grads_batched"],
+    ("name", "call"),
+    [(name, call) for name in DW_BACKENDS for call in LEGACY_BATCHED_CALLS if name != "compile" or call == "is_grads_batched"],
 )
-def test_item9_legacy_batching_is_refused_clearly(call: object) -> None:
+def test_item9_legacy_batching_works(name: str, call: str, legacy_batching_functions: dict[str, object]) -> None:
+    """vectorize=True / is_grads_batched=True batch the cotangents with torch's legacy vmap: they
+    reach the backend as one call with several tangents, and the results equal plain torch's."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    run = LEGACY_BATCHED_CALLS[call]
+    mine, expected = run(legacy_batching_functions[name], x), run(legacy_batching_functions["torch"], x)
+    torch.testing.assert_close(mine, expected, **_tolerance(name))
+
+
+@pytest.mark.parametrize("name", ["autograd", "func", "finitediff"])
+def test_item9_gradcheck_batched_grad(name: str) -> None:
+    g = td.DifferentiateWith(lambda x: x.sin() * x.roll(1), DW_BACKENDS[name])
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(g, (x,), check_batched_grad=True)
+    if name != "finitediff":  # second order: batched cotangents of the pullback (HVPs and pushforwards)
+        assert torch.autograd.gradgradcheck(g, (x,), check_batched_grad=True)
+
+
+def test_item9_batched_cotangents_of_pushforwards_and_create_graph() -> None:
+    """The pushforward's backward and a batched double backward see legacy-batched cotangents too."""
+    f = lambda x: x.sin() * x.roll(1)  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, dtype=torch.float64)
+    eye = torch.eye(4, dtype=torch.float64)
+
+    def forward_then_batched(h: object) -> torch.Tensor:
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(h(fwAD.make_dual(x, v))).tangent  # type: ignore[operator]
+        return torch.autograd.grad(tangent, x, eye, is_grads_batched=True)[0]
+
+    def batched_then_backward(h: object) -> torch.Tensor:
+        rows = torch.autograd.grad(h(x), x, eye, is_grads_batched=True, create_graph=True)[0]  # type: ignore[operator]
+        return torch.autograd.grad((rows**2).sum(), x)[0]
+
+    for check in (forward_then_batched, batched_then_backward):
+        torch.testing.assert_close(check(g), check(f))
+
+
+def test_item9_compiled_backend_runs_outside_legacy_vmap_mode() -> None:
+    """The batch of cotangents is one compiled pullback with 4 tangents, the same preparation
+    ``jacrev`` uses: called outside legacy vmap mode, it does not recompile between the two."""
+    g = td.DifferentiateWith(lambda x: x.sin() * x.roll(1), COMPILED)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    eye = torch.eye(4, dtype=torch.float64)
+    expected = torch.func.jacrev(lambda x: x.sin() * x.roll(1))(x.detach())
+    torch.testing.assert_close(torch.autograd.grad(g(x), x, eye, is_grads_batched=True)[0], expected)
+    compilations = g.num_compilations
+    torch.testing.assert_close(torch.func.jacrev(g)(x.detach()), expected)
+    torch.testing.assert_close(torch.autograd.grad(g(x), x, eye, is_grads_batched=True)[0], expected)
+    assert (g.num_compilations, g.num_preparations) == (compilations, 1)
+
+
+def test_item9_nested_legacy_vmap() -> None:
+    from torch._vmap_internals import _vmap
+
+    f = lambda x: x.sin() * x.roll(1)  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(2, 3, 4, dtype=torch.float64)
+
+    def rows(h: object) -> torch.Tensor:
+        return _vmap(_vmap(lambda u: torch.autograd.grad(h(x), x, u, retain_graph=True)[0]))(u)  # type: ignore[operator]
+
+    torch.testing.assert_close(rows(g), rows(f))
+
+
+def test_item9_batched_cotangents_of_torch_func_batches_are_refused_clearly() -> None:
+    """jacrev's batch of pullbacks, then a legacy batch over its cotangents: refused, naming what works."""
     g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     with pytest.raises(UnsupportedOperatorError, match=r"legacy vmap.*torch\.func\.jacrev/jacfwd/vmap"):
-        call(g, x)  # type: ignore[operator]
-    # what the message names works
-    torch.testing.assert_close(torch.func.jacrev(g)(x.detach()), torch.diag(x.detach().cos()))
-    torch.testing.assert_close(torch.autograd.functional.jacobian(g, x), torch.diag(x.detach().cos()))
-
-
-def test_item9_gradcheck_batched_grad_is_refused_clearly() -> None:
-    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(Exception, match=r"legacy vmap"):
-        torch.autograd.gradcheck(g, (x,), check_batched_grad=True)
+        torch.autograd.grad(torch.func.jacrev(g)(x), x, torch.ones(2, 3, 3, dtype=x.dtype), is_grads_batched=True)
 
 
 @pytest.mark.parametrize("name", ["func", "compile"])

@@ -46,6 +46,7 @@ from torchdi.engines._dynamo import (
     is_legacy_batched,
     legacy_rebatch,
     legacy_unbatch,
+    outside_legacy_vmap,
     transforms_active,
 )
 from torchdi.errors import UnsupportedOperatorError
@@ -594,7 +595,9 @@ class _Value(torch.autograd.Function):
             dx = _apply(_Pullback, layout, *primals, *cotangents)
         else:  # a batch of cotangents: one pullback call with several tangents
             plain, levels, size = batch
-            dx = _rebatch(_apply(_Pullback, _BatchedLayout(layout, size), *primals, *plain), levels)
+            with outside_legacy_vmap():
+                dx = _apply(_Pullback, _BatchedLayout(layout, size), *primals, *plain)
+            dx = _rebatch(dx, levels)
         return (None, *dx, *(None,) * layout.n_context)
 
     @staticmethod
@@ -639,8 +642,9 @@ class _Pullback(torch.autograd.Function):
         if batch is not None:  # a batch of w for one u: rows ∇²<u, f>(x) w_i, one pushforward call
             plain, levels, size = batch
             batched = _BatchedLayout(layout, size)
-            dx = _hvp_terms(batched, primals, u, plain, shared_u=True)
-            du = _apply(_Pushforward, batched, *primals, *plain)
+            with outside_legacy_vmap():
+                dx = _hvp_terms(batched, primals, u, plain, shared_u=True)
+                du = _apply(_Pushforward, batched, *primals, *plain)
             return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(du, levels))
         # d<w, J^T u>/dx = ∇²<u, f>(x) w ; d<w, J^T u>/du = J w
         dx = _hvp_terms(layout, primals, u, w)
@@ -726,8 +730,9 @@ class _Pushforward(torch.autograd.Function):
         if batch is not None:  # a batch of u for one v: rows ∇²<u_i, f>(x) v, one pullback call
             plain, levels, size = batch
             batched = _BatchedLayout(layout, size)
-            dx = _hvp_terms(batched, primals, plain, v, shared_v=True)
-            dv = _apply(_Pullback, batched, *primals, *plain)
+            with outside_legacy_vmap():
+                dx = _hvp_terms(batched, primals, plain, v, shared_v=True)
+                dv = _apply(_Pullback, batched, *primals, *plain)
             return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(dv, levels))
         # d<u, J v>/dx = ∇²<u, f>(x) v ; d<u, J v>/dv = J^T u
         if isinstance(layout, _BatchedLayout):

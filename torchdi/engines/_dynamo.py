@@ -47,7 +47,8 @@ Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
 (``torch._vmap_internals``). ``legacy_unbatch``/``legacy_rebatch`` turn its batched tensors into
 plain ones with the batch as a leading dimension and back (``torch._C._functorch.
 is_legacy_batchedtensor``, ``torch._remove_batch_dim``, ``torch._add_batch_dim``,
-``torch._C._vmapmode_increment_nesting``; torch 2.0 .. 2.14.1). Fallback: ``legacy_unbatch``
+``torch._C._vmapmode_increment_nesting``; torch 2.0 .. 2.14.1); ``outside_legacy_vmap`` runs
+the backend on them outside the legacy vmap mode. Fallback: ``legacy_unbatch``
 returns ``None`` and the caller refuses clearly, naming ``torch.func``'s transforms.
 
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
@@ -85,6 +86,7 @@ __all__ = [
     "is_legacy_batched",
     "legacy_rebatch",
     "legacy_unbatch",
+    "outside_legacy_vmap",
     "release_code",
     "set_grad_enabled",
     "transforms_active",
@@ -589,6 +591,37 @@ def is_legacy_batched(tensor: Any) -> bool:
     return api is not None and isinstance(tensor, torch.Tensor) and bool(api[0](tensor))
 
 
+def _legacy_nesting() -> int:
+    """The calling thread's legacy vmap nesting, read without changing it."""
+    assert _LEGACY_VMAP is not None
+    current = _LEGACY_VMAP[3]() - 1
+    _LEGACY_VMAP[4]()
+    return current
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave torch's legacy vmap mode for the block, on plain tensors from ``legacy_unbatch``.
+
+    Inside the mode, the dispatcher adds ``VmapMode`` to every tensor's keys (a compiled
+    backend's guards then fail, one recompilation per mode) and refuses random operations; the
+    block computes on plain tensors, so it runs as outside any vmap. The nesting is restored after.
+    """
+    api = _LEGACY_VMAP
+    depth = _legacy_nesting() if api is not None else 0
+    if depth <= 0:
+        yield
+        return
+    assert api is not None
+    for _ in range(depth):
+        api[4]()
+    try:
+        yield
+    finally:
+        for _ in range(depth):
+            api[3]()
+
+
 def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
     """Plain tensors for legacy-vmap batched ones: every batch level as one leading dimension.
 
@@ -600,9 +633,8 @@ def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tenso
     api = _LEGACY_VMAP
     if api is None:
         return None
-    is_batched, remove_batch_dim, _, increment, decrement = api
-    current = increment() - 1  # the calling thread's legacy vmap nesting (read without changing it)
-    decrement()
+    is_batched, remove_batch_dim = api[0], api[1]
+    current = _legacy_nesting()
     # A level a tensor does not carry expands it by the batch size given: 0 tells "absent" apart
     # from a present level (whose own size is used, and is never 0 for a batch that has rows).
     found: dict[int, int] = {}
