@@ -236,6 +236,19 @@ def test_item9_nested_legacy_vmap() -> None:
     torch.testing.assert_close(rows(g), rows(f))
 
 
+def test_item9_without_legacy_vmap_internals_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without the legacy vmap internals torchdi uses, a clear refusal, never torch's
+    "Batching rule not implemented" or a wrong result."""
+    from torchdi.engines import _dynamo
+
+    monkeypatch.setattr(_dynamo, "_LEGACY_VMAP", None)
+    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(UnsupportedOperatorError, match=r"legacy vmap.*torch\.func\.jacrev/jacfwd/vmap"):
+        torch.autograd.functional.jacobian(g, x, vectorize=True)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(g, x), torch.diag(x.detach().cos()))
+
+
 def test_item9_batched_cotangents_of_torch_func_batches_are_refused_clearly() -> None:
     """jacrev's batch of pullbacks, then a legacy batch over its cotangents: refused, naming what works."""
     g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
@@ -292,6 +305,9 @@ FLOAT_FACTORIES = {
     "scalar_tensor": lambda x, c: x * torch.scalar_tensor(c, dtype=x.dtype),
     "full": lambda x, c: x * torch.full((3,), c),
     "full_like": lambda x, c: x * torch.full_like(x, c),
+    "as_tensor": lambda x, c: x * torch.as_tensor(c),
+    "as_tensor-dtype": lambda x, c: x * torch.as_tensor(c, dtype=x.dtype),
+    "as_tensor-keywords": lambda x, c: x * torch.as_tensor(data=1 - c, dtype=torch.float64, device=x.device),
 }
 
 
@@ -326,6 +342,36 @@ def test_item11_float_made_into_a_tensor_does_not_recompile_inductor() -> None:
         torch.testing.assert_close(value, f(x, c))
         torch.testing.assert_close(grad, torch.full_like(x, c))
     assert prep.num_compilations == compilations
+
+
+def test_item11_as_tensor_of_other_data_is_unchanged() -> None:
+    """torch.as_tensor of a tensor (shared, not copied), of a list with the float, and a float
+    context used in Python control flow (which must specialize) trace as before."""
+
+    def f(x: torch.Tensor, c: float) -> torch.Tensor:
+        same = torch.as_tensor(x)
+        listed = torch.as_tensor([c, 2.0], dtype=x.dtype)
+        return (same * listed[0] + listed[1] * x).sum() * (2.0 if c > 0 else -1.0)
+
+    x = torch.tensor([1.0, -2.0, 0.5])
+    prep = td.prepare_gradient(f, COMPILED, x, Constant(0.5))
+    for c in (0.5, -0.25):
+        torch.testing.assert_close(
+            td.value_and_gradient(f, COMPILED, x, Constant(c), prep=prep), td.value_and_gradient(f, AutoAutograd(), x, Constant(c))
+        )
+
+
+def test_item11_as_tensor_handler_is_only_installed_while_torchdi_compiles() -> None:
+    """The handler lives in dynamo's table only during torchdi's own compilations: a user's
+    torch.compile elsewhere traces torch.as_tensor exactly as torch does."""
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    handlers = TorchInGraphFunctionVariable._get_handlers()
+    had = torch.as_tensor in handlers
+    f = lambda x, c: (x * torch.as_tensor(c)).sum()  # noqa: E731
+    prep = td.prepare_gradient(f, COMPILED, torch.ones(3), Constant(0.5))
+    td.gradient(f, COMPILED, torch.ones(3), Constant(1.5), prep=prep)
+    assert (torch.as_tensor in handlers) == had
 
 
 # -- item 16: the translation note on the one-shot path ---------------------------------------------

@@ -30,6 +30,12 @@ The fast paths, by name (``FAST_PATHS``):
   (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
   knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
   where torch has that argument).
+- ``"as_tensor_handler"``: an entry for ``torch.as_tensor`` in dynamo's table of special
+  handlers (``TorchInGraphFunctionVariable._get_handlers()``), installed only while a torchdi
+  preparation compiles: ``torch.as_tensor(c)`` of a symbolic float is traced as dynamo traces
+  ``torch.tensor(c)`` (``torch._refs.tensor``, the same tensor: a Python scalar is always
+  copied), so a float context stays an input of the program. Fallback: dynamo specializes the
+  float there (one compilation per value, counted and logged, never stale).
 - ``"function_apply"``: ``super(torch.autograd.Function, fn).apply`` with
   ``torch._functorch.utils.unwrap_dead_wrappers``: the C++ apply without
   ``Function.apply``'s Python argument binding (about 70 us less per call). Fallback:
@@ -61,6 +67,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import re
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
@@ -207,6 +214,7 @@ FAST_PATHS: dict[str, str] = {
     "compiler_wrappers": "torch.compile's own compiler wrappers (torch._TorchCompileInductorWrapper)",
     "tensorify_reset": "forgetting dynamo's float specializations between preparations (TensorifyState)",
     "dynamo_config": "torch._dynamo.config knobs",
+    "as_tensor_handler": "tracing torch.as_tensor of a symbolic float as torch.tensor (dynamo's handler table)",
     "function_apply": "the C++ torch.autograd.Function apply without Python argument binding",
     "transforms_active": "asking functorch whether a transform is active",
     "forward_ad_level": "reading forward-mode AD's current level",
@@ -361,6 +369,71 @@ def forget_float_specializations() -> None:
         return  # a torch without symbolic floats, or one that moved the record: nothing to forget
     with contextlib.suppress(AttributeError):
         state.clear()
+
+
+def _as_tensor_api() -> tuple[dict[Any, Any], Any, type] | None:
+    """Dynamo's special-handler table, its in-graph function variable and its symbolic-scalar
+    variable (torch 2.4 .. 2.14.1), probed on first use: importing dynamo's variables is slow."""
+    global _AS_TENSOR_API
+    if _AS_TENSOR_API is None:
+
+        def probe() -> tuple[dict[Any, Any], Any, type]:
+            from torch._dynamo.variables.tensor import SymNodeVariable
+            from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+            handlers = TorchInGraphFunctionVariable._get_handlers()
+            if not isinstance(handlers, dict) or not hasattr(torch._refs, "tensor"):
+                raise AttributeError("dynamo's handler table")
+            return handlers, TorchInGraphFunctionVariable, SymNodeVariable
+
+        _AS_TENSOR_API = _probe(probe) or False
+    return _AS_TENSOR_API or None
+
+
+_AS_TENSOR_API: Any = None
+_AS_TENSOR_NAMES = ("data", "dtype", "device")
+
+
+def _handle_as_tensor(variable: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+    """Dynamo's handler for ``torch.as_tensor(data, *, dtype=None, device=None)``: a symbolic scalar
+    ``data`` is traced as ``torch.tensor`` traces it; anything else as dynamo does (``None``)."""
+    api = _as_tensor_api()
+    if api is None or len(args) > 1 or set(kwargs) - set(_AS_TENSOR_NAMES):
+        return None  # (as_tensor takes data alone by position: torch's own error for the rest)
+    _, in_graph_function, symbolic_scalar = api
+    named = dict(zip(_AS_TENSOR_NAMES, args)) | kwargs
+    data = named.pop("data", None)
+    if not isinstance(data, symbolic_scalar):
+        return None
+    # A Python scalar is always copied by as_tensor: the same tensor as torch.tensor(data, ...).
+    return in_graph_function(torch._refs.tensor).call_function(tx, [data], named)
+
+
+@contextlib.contextmanager
+def symbolic_as_tensor() -> Iterator[None]:
+    """While torchdi compiles: ``torch.as_tensor(c)`` of a symbolic float keeps ``c`` symbolic.
+
+    Dynamo traces ``torch.tensor(c)`` of a symbolic float through ``torch._refs.tensor`` (no
+    specialization, then ``translate.keep_float_factories_traced`` keeps ``c`` an input), but
+    runs ``torch.as_tensor(c)`` as is, which specializes ``c``: one compilation per value. The
+    handler is in dynamo's table only inside the block (torchdi's own compilations), and never
+    replaces one torch has.
+    """
+    api = _as_tensor_api()
+    if api is None:
+        warn_off("as_tensor_handler")
+        yield
+        return
+    handlers = api[0]
+    if torch.as_tensor in handlers:  # torch's own handler, or ours from an enclosing compilation
+        yield
+        return
+    handlers[torch.as_tensor] = _handle_as_tensor
+    try:
+        yield
+    finally:
+        if handlers.get(torch.as_tensor) is _handle_as_tensor:
+            del handlers[torch.as_tensor]
 
 
 def is_compiling() -> bool:
@@ -522,7 +595,7 @@ class DynamoCache:
         before = self._transformed_codes()
         self.in_flight = frame_locals
         try:
-            with patched_config(dict(settings)):
+            with patched_config(dict(settings)), symbolic_as_tensor():
                 result = compiled(*args)
         finally:
             self.in_flight = None
@@ -585,10 +658,21 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
 _LEGACY_LEVEL_MARGIN = 4
 
 
+# torch 1.x .. 2.14.1: a tensor's dispatch keys, whose repr names legacy vmap's "Batched" key
+# (not a DispatchKey member): how a torch without is_legacy_batchedtensor is still refused clearly.
+_DISPATCH_KEYS: Callable[[torch.Tensor], Any] | None = _probe(lambda: torch._C._dispatch_keys)
+_BATCHED_KEY = re.compile(r"[(, ]Batched[,)]")
+
+
 def is_legacy_batched(tensor: Any) -> bool:
     """Whether ``tensor`` is batched by torch's legacy vmap (``False`` when this torch cannot say)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
     api = _LEGACY_VMAP
-    return api is not None and isinstance(tensor, torch.Tensor) and bool(api[0](tensor))
+    if api is not None:
+        return bool(api[0](tensor))
+    keys = _DISPATCH_KEYS
+    return keys is not None and _BATCHED_KEY.search(repr(keys(tensor))) is not None
 
 
 def _legacy_nesting() -> int:
