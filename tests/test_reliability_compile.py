@@ -222,6 +222,21 @@ def test_item9_compiled_backend_runs_outside_legacy_vmap_mode() -> None:
     assert (g.num_compilations, g.num_preparations) == (compilations, 1)
 
 
+@pytest.mark.parametrize("thread", ["caller", "device"])
+def test_item9_backend_runs_outside_legacy_vmap_mode(thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """f may use random operations (legacy vmap mode refuses them), on the calling thread and on
+    an autograd device thread, which gets the mode's dispatch key but not its nesting count."""
+    from torchdi.engines import _dynamo
+
+    if thread == "device":
+        monkeypatch.setattr(_dynamo, "_legacy_nesting", lambda: 0)
+    f = lambda x: x.sin() + 0.0 * torch.randn(())  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    rows = torch.autograd.grad(g(x), x, torch.eye(3, dtype=x.dtype), is_grads_batched=True)[0]
+    torch.testing.assert_close(rows, torch.diag(x.detach().cos()))
+
+
 def test_item9_nested_legacy_vmap() -> None:
     from torch._vmap_internals import _vmap
 

@@ -658,6 +658,9 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
 _LEGACY_LEVEL_MARGIN = 4
 
 
+# torch 2.0 .. 2.14.1: legacy vmap mode's dispatch key (not a DispatchKey member: parsed by name).
+_VMAP_MODE_KEYS: Any = _probe(lambda: torch._C.DispatchKeySet(torch._C._parse_dispatch_key("VmapMode")))
+
 # torch 1.x .. 2.14.1: a tensor's dispatch keys, whose repr names legacy vmap's "Batched" key
 # (not a DispatchKey member): how a torch without is_legacy_batchedtensor is still refused clearly.
 _DISPATCH_KEYS: Callable[[torch.Tensor], Any] | None = _probe(lambda: torch._C._dispatch_keys)
@@ -693,17 +696,16 @@ def outside_legacy_vmap() -> Iterator[None]:
     """
     api = _LEGACY_VMAP
     depth = _legacy_nesting() if api is not None else 0
-    if depth <= 0:
+    with contextlib.ExitStack() as stack:
+        # The mode's key is also in the thread-local dispatch keys the autograd engine hands its
+        # device threads, whose own nesting count is 0: exclude it as well.
+        if _VMAP_MODE_KEYS is not None:
+            stack.enter_context(torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE_KEYS))
+        if api is not None and depth > 0:
+            for _ in range(depth):
+                api[4]()
+            stack.callback(lambda: [api[3]() for _ in range(depth)])
         yield
-        return
-    assert api is not None
-    for _ in range(depth):
-        api[4]()
-    try:
-        yield
-    finally:
-        for _ in range(depth):
-            api[3]()
 
 
 def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
