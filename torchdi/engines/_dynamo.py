@@ -659,7 +659,14 @@ _LEGACY_LEVEL_MARGIN = 4
 
 
 # torch 2.0 .. 2.14.1: legacy vmap mode's dispatch key (not a DispatchKey member: parsed by name).
-_VMAP_MODE_KEYS: Any = _probe(lambda: torch._C.DispatchKeySet(torch._C._parse_dispatch_key("VmapMode")))
+def _vmap_mode_keys() -> Any:
+    key = torch._C._parse_dispatch_key("VmapMode")
+    if key is None:
+        raise AttributeError("VmapMode")
+    return torch._C.DispatchKeySet(key)
+
+
+_VMAP_MODE_KEYS: Any = _probe(_vmap_mode_keys)
 
 # torch 1.x .. 2.14.1: a tensor's dispatch keys, whose repr names legacy vmap's "Batched" key
 # (not a DispatchKey member): how a torch without is_legacy_batchedtensor is still refused clearly.
