@@ -264,12 +264,20 @@ def test_item9_without_legacy_vmap_internals_is_refused_clearly(monkeypatch: pyt
     torch.testing.assert_close(torch.autograd.functional.jacobian(g, x), torch.diag(x.detach().cos()))
 
 
-def test_item9_batched_cotangents_of_torch_func_batches_are_refused_clearly() -> None:
-    """jacrev's batch of pullbacks, then a legacy batch over its cotangents: refused, naming what works."""
-    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(UnsupportedOperatorError, match=r"legacy vmap.*torch\.func\.jacrev/jacfwd/vmap"):
-        torch.autograd.grad(torch.func.jacrev(g)(x), x, torch.ones(2, 3, 3, dtype=x.dtype), is_grads_batched=True)
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
+def test_item9_legacy_batch_over_torch_func_batches(transform: str) -> None:
+    """jacrev's / jacfwd's batch of pullbacks / pushforwards, then a legacy batch over their
+    cotangents: one backend call for both batches, plain torch's result."""
+    f = lambda x: x.sin() * x.roll(1) + x.sum() ** 2  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 4, dtype=torch.float64)
+    jacobian = getattr(torch.func, transform)
+
+    def rows(h: object) -> torch.Tensor:
+        return torch.autograd.grad(jacobian(h)(x), x, w, is_grads_batched=True)[0]
+
+    torch.testing.assert_close(rows(g), rows(f))
 
 
 @pytest.mark.parametrize("name", ["func", "compile"])

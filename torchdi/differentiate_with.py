@@ -412,25 +412,50 @@ def _legacy_batch(
     cotangents (torch's legacy vmap, not ``torch.func.vmap``), and a backend cannot take those (a
     compiled program, a prepared buffer, numpy). Unbatched, they are the tangents of one backend
     call (``_BatchedLayout``), as under ``torch.func.vmap``; the caller batches the results back
-    (``legacy_rebatch``). ``None`` when nothing is batched. Refused clearly when ``x`` or the
-    contexts are batched too (``fixed``), the tangents are already batched by ``torch.func``, or
-    this torch lacks the internals.
+    (``legacy_rebatch``). ``None`` when nothing is batched. Refused clearly when ``x``, the
+    contexts or the other tangents are batched too (``fixed``), or this torch lacks the internals.
     """
     if not any(is_legacy_batched(g) for g in grads):
         return None
     unbatched = None
-    if not isinstance(layout, _BatchedLayout) and not any(is_legacy_batched(t) for t in fixed):
+    if not any(is_legacy_batched(t) for t in fixed):
         unbatched = legacy_unbatch(grads)
     if unbatched is None:
         raise UnsupportedOperatorError(
             f"DifferentiateWith({layout.owner.backend!r}): torch's legacy vmap (torch.autograd.grad(..., "
             "is_grads_batched=True), torch.autograd.functional.jacobian/hessian(vectorize=True), "
-            "gradcheck(check_batched_grad=True)) batched more than the cotangents here (x, a context, or "
-            "cotangents already batched by torch.func), which cannot pass through DifferentiateWith. Use "
+            "gradcheck(check_batched_grad=True)) batched more than the cotangents here (x, a context or a "
+            "tangent), which cannot pass through DifferentiateWith. Use "
             "torch.func.jacrev/jacfwd/vmap (batched tangents reach the backend as one call), "
             "vectorize=False / is_grads_batched=False, or a torchdi operator (torchdi.jacobian) on f."
         )
     return unbatched
+
+
+def _legacy_rows(
+    layout: _Layout, size: int, other: tuple[torch.Tensor, ...], plain: tuple[torch.Tensor, ...]
+) -> tuple[_BatchedLayout, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...], int | None]:
+    """One backend call for ``size`` unbatched cotangents of a pullback or pushforward.
+
+    Returns the layout of that call, the other tangent per row (``None``: one shared by every
+    row), the cotangent rows, and ``k``: ``None`` for a plain ``layout``; for a layout already
+    batched by ``torch.func`` (``jacrev(g)`` under ``is_grads_batched=True``), its ``k`` tangents
+    times ``size`` rows make one batch of ``size * k`` (``_unfold`` splits the results)."""
+    if not isinstance(layout, _BatchedLayout):
+        return _BatchedLayout(layout, size), None, plain, None
+    k = layout.count
+    rows = tuple(t.reshape(size * k, *t.shape[2:]) for t in plain)
+    others = tuple(t.unsqueeze(0).expand(size, *t.shape).reshape(size * k, *t.shape[1:]) for t in other)
+    return _BatchedLayout(layout.inner, size * k), others, rows, k
+
+
+def _unfold(outputs: tuple[torch.Tensor, ...], size: int, k: int | None, shared: bool) -> tuple[torch.Tensor, ...]:
+    """Rows of ``_legacy_rows``'s call back as ``(size, k, ...)``; summed over ``k`` for ``x``'s
+    terms (``shared``: ``x`` is one for the ``k`` tangents)."""
+    if k is None:
+        return outputs
+    folded = tuple(t.reshape(size, k, *t.shape[1:]) for t in outputs)
+    return tuple(t.sum(1) for t in folded) if shared else folded
 
 
 def _rebatch(outputs: tuple[torch.Tensor, ...], levels: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
@@ -641,10 +666,11 @@ class _Pullback(torch.autograd.Function):
         batch = _legacy_batch(layout, saved, w)
         if batch is not None:  # a batch of w for one u: rows ∇²<u, f>(x) w_i, one pushforward call
             plain, levels, size = batch
-            batched = _BatchedLayout(layout, size)
+            rows, u_rows, w_rows, k = _legacy_rows(layout, size, u, plain)
             with outside_legacy_vmap():
-                dx = _hvp_terms(batched, primals, u, plain, shared_u=True)
-                du = _apply(_Pushforward, batched, *primals, *plain)
+                dx = _hvp_terms(rows, primals, u if u_rows is None else u_rows, w_rows, shared_u=u_rows is None)
+                du = _apply(_Pushforward, rows, *primals, *w_rows)
+            dx, du = _unfold(dx, size, k, shared=True), _unfold(du, size, k, shared=False)
             return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(du, levels))
         # d<w, J^T u>/dx = ∇²<u, f>(x) w ; d<w, J^T u>/du = J w
         dx = _hvp_terms(layout, primals, u, w)
@@ -729,10 +755,11 @@ class _Pushforward(torch.autograd.Function):
         batch = _legacy_batch(layout, saved, u)
         if batch is not None:  # a batch of u for one v: rows ∇²<u_i, f>(x) v, one pullback call
             plain, levels, size = batch
-            batched = _BatchedLayout(layout, size)
+            rows, v_rows, u_rows, k = _legacy_rows(layout, size, v, plain)
             with outside_legacy_vmap():
-                dx = _hvp_terms(batched, primals, plain, v, shared_v=True)
-                dv = _apply(_Pullback, batched, *primals, *plain)
+                dx = _hvp_terms(rows, primals, u_rows, v if v_rows is None else v_rows, shared_v=v_rows is None)
+                dv = _apply(_Pullback, rows, *primals, *u_rows)
+            dx, dv = _unfold(dx, size, k, shared=True), _unfold(dv, size, k, shared=False)
             return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(dv, levels))
         # d<u, J v>/dx = ∇²<u, f>(x) v ; d<u, J v>/dv = J^T u
         if isinstance(layout, _BatchedLayout):
