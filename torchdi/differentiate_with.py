@@ -18,6 +18,9 @@ so second-order derivatives (``torch.func.hessian``, ``torchdi.hvp`` with an out
 backward) come from ``backend``'s HVPs. Every Function has a ``vmap`` rule, so ``torch.func.vmap``,
 ``jacrev`` and ``jacfwd`` compose with it: batched tangents (a jacobian's basis) go to the backend as
 one call with several tangents; a batched ``x`` is looped over, since ``f`` may be a black box.
+torch's own batched autograd (``is_grads_batched=True``, ``vectorize=True``,
+``check_batched_grad=True``: its legacy vmap) reaches the backends the same way: its batched
+cotangents are unbatched into one call with several tangents (``_legacy_batch``).
 
 The primal value is ``f``'s eager call (as in DI); the derivatives run ``prepare_*`` results kept in
 a small cache keyed by argument signatures (never values), so a training loop prepares (and compiles,
