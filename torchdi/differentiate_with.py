@@ -29,16 +29,12 @@ on compiled backends) once per signature.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-
-# (relcompile's JVP_NESTING count: a private functorch module, not fenced in engines/_dynamo.py yet)
-import torch._functorch.eager_transforms as functorch_transforms
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend, require_available
@@ -47,6 +43,7 @@ from torchdi.engines._dynamo import (
     apply_function,
     forward_ad_level,
     is_legacy_batched,
+    jvp_nests_in_dual_level,
     legacy_rebatch,
     legacy_unbatch,
     outside_legacy_vmap,
@@ -223,25 +220,9 @@ def _refuse_state(contexts: tuple[Any, ...], backend: Backend) -> None:
             )
 
 
-@contextlib.contextmanager
-def _backend_jvp_nests() -> Iterator[None]:
-    """Let the backend's ``torch.func.jvp`` run inside the user's eager dual level.
-
-    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
-    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
-    tangents apart by functorch's own levels. Under eager forward AD (``fwAD.dual_level``) the
-    level is the user's: count it as an outer jvp, so that the backend's jvp (``AutoFunc``,
-    ``AutoCompile`` over it) nests in it as under ``torch.func.jvp``, instead of failing with
-    "Nested forward mode AD is not supported".
-    """
-    if forward_ad_level() < 0 or getattr(functorch_transforms, "JVP_NESTING", None) != 0:
-        yield
-        return
-    functorch_transforms.JVP_NESTING += 1
-    try:
-        yield
-    finally:
-        functorch_transforms.JVP_NESTING -= 1
+# Let the backend's torch.func.jvp (AutoFunc, AutoCompile over it) run inside the user's eager
+# dual level (fwAD.dual_level), as it nests under torch.func.jvp (see the fence's docstring).
+_backend_jvp_nests = jvp_nests_in_dual_level
 
 
 _PREPARE: dict[str, Callable[..., Prep]] = {
