@@ -26,6 +26,7 @@ Where: ``TORCHDI_CACHE_DIR`` when set (``""`` turns the cache off), else ``$XDG_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from torchdi.fingerprint import source_digest
 
 __all__ = ["CacheInfo", "FORMAT", "Store", "cache_directory", "store_for"]
 
@@ -55,7 +58,8 @@ ENV_MAX_BYTES = "TORCHDI_CACHE_MAX_BYTES"
 
 def _torchdi_version() -> str:
     # The package's __init__ has run before any of its submodules is used.
-    return str(getattr(sys.modules.get("torchdi"), "__version__", "unknown"))
+    # The source digest: a development tree's entries never meet another tree's of one version.
+    return f'{getattr(sys.modules.get("torchdi"), "__version__", "unknown")}+{source_digest()}'
 
 
 def cache_directory(explicit: str | os.PathLike[str] | None = None) -> Path | None:
@@ -154,10 +158,8 @@ class Store:
             return None
         payload = self._validate(path, data, kind, key)
         if payload is not None:
-            try:  # least recently used: a read counts as a use
+            with contextlib.suppress(OSError):  # least recently used: a read counts as a use
                 os.utime(path)
-            except OSError:
-                pass
         return payload
 
     def _validate(self, path: Path, data: bytes, kind: str, key: str) -> bytes | None:
@@ -211,10 +213,8 @@ class Store:
             return False
         finally:
             if temporary is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(temporary)
-                except OSError:
-                    pass
         self.evict()
         return True
 
