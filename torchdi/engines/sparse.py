@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
 from torchdi.cache import Store, store_for
 from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
-from torchdi.engines.compile import CompiledRunner
+from torchdi.engines.compile import CompiledRunner, compiled_store, program_key
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES
@@ -402,6 +402,8 @@ class SparseRunner:
         if compiled and self.passes:
             assert isinstance(dense, AutoCompile) and len(self.passes) == 1
             self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), dense, self.family, self.f)
+            if compiled_store(dense) is not None:  # the passes and the decompression persist as one program
+                self.fused.persist_key = program_key(f"sparse {self.family} {mode}", self.f, self.passes[0][1].shape, dense)
             warm_up(self.fused, x, self.passes[0][1], contexts)
         if hessian and n == 0:
             self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
@@ -422,7 +424,7 @@ class SparseRunner:
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
             # The pattern (when traced) and the colouring both came from the on-disk cache.
-            "loaded_from_cache": bool(detection_loaded and coloring_loaded),
+            "loaded_from_cache": bool(detection_loaded and coloring_loaded and (self.fused is None or self.fused.persist_key is None or self.fused.loaded_from_cache)),
         }
 
     def _device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, TorchRecovery]:
