@@ -135,8 +135,10 @@ class _Walker:
         ):
             # torch.sin, math.exp, torch.ops.aten.add.Tensor: pinned by the versions.
             self.token("builtin", getattr(obj, "__module__", None), getattr(obj, "__qualname__", None) or repr(obj))
-        elif type(obj).__module__ == "builtins" and hasattr(obj, "__qualname__") and _trusted(getattr(obj, "__module__", "builtins")):
-            self.token("builtin", getattr(obj, "__module__", None), obj.__qualname__)
+        elif isinstance(obj, (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)) and _trusted(
+            getattr(obj.__objclass__, "__module__", None)
+        ):  # torch.Tensor.add, str.join: pinned by the versions
+            self.token("descriptor", obj.__objclass__.__module__, obj.__qualname__)
         elif (hasattr(obj, "__dict__") and not _trusted(type(obj).__module__)) or isinstance(obj, torch.nn.Module):
             self.instance(obj)
         else:
