@@ -356,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--operators", action="append", metavar="NAMES", help="keep only scenarios of these operators")
     bench.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart (needs matplotlib: the bench extra)")
-    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead", "sparse", "xla-overhead", "training"],
+    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead", "sparse", "xla-overhead", "training", "cold-start"],
                        default="differentiation",
-                       help="compile-overhead / raw-overhead / sparse / xla-overhead / training run benchmarks/<name>.py "
+                       help="compile-overhead / raw-overhead / sparse / xla-overhead / training / cold-start run benchmarks/<name>.py "
                        "(source checkout; xla-overhead in .venv-xla)")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     bench.add_argument("--scenarios", action="append", help=argparse.SUPPRESS)

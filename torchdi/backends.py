@@ -239,8 +239,15 @@ class AutoSparse:
     The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors`` (the number
     of compressed passes), ``colors`` (``"mixed"``: a pair, column colours then row colours, ``-1``
     for a column or row in no pass), ``groups`` (the indices of each colour, forward ones first),
-    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``)
-    and ``sparsity_fallbacks`` (ops the tracer had no rule for).
+    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``),
+    ``sparsity_fallbacks`` (ops the tracer had no rule for) and ``loaded_from_cache``.
+
+    Detection and colouring persist in ``torchdi.cache`` (``TORCHDI_CACHE_DIR``, on by default
+    under the user's cache directory; ``""`` turns it off): a ``TracerSparsity`` pattern is keyed
+    by ``f`` and everything it reads (code, globals, closure cells, helper functions, tensor
+    values; ``torchdi.fingerprint``) with the layouts of ``x``, ``y`` and the contexts, and a
+    loaded pattern passes the same check against ``f``'s own derivative as a fresh one (else it is
+    traced again); a colouring is keyed by the pattern and the colouring settings.
 
     Example::
 
