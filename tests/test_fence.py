@@ -39,7 +39,8 @@ AUTOGRAD_HOOKS = {
 
 
 def test_every_fast_path_has_a_fence_test():
-    assert set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | {"dynamo_config"} == set(_dynamo.FAST_PATHS)
+    persisted = {"artifact_scope", "compile_cache_counts"}  # fenced in tests/test_persist.py
+    assert set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | {"dynamo_config"} | persisted == set(_dynamo.FAST_PATHS)
 
 
 @pytest.fixture

@@ -158,6 +158,32 @@ def test_cli_info_and_clear(cache_dir, capsys, monkeypatch):
     assert cli(["cache", "info"]) == 0 and "off" in capsys.readouterr().out
 
 
+def test_fenced_internals_have_fallbacks(monkeypatch, caplog):
+    """Without torch's artifact scope or cache counters (a torch that moved them) persistence
+    still works: a scope that keeps the process's artifacts, and no hit counts (one warning each)."""
+    from torchdi.engines import _dynamo
+
+    assert _dynamo.compile_cache_counts() is not None  # this torch has both
+    with _dynamo.artifact_scope():
+        pass
+    monkeypatch.setattr(_dynamo, "_warned", set())
+    monkeypatch.setattr(_dynamo, "_FRESH_ARTIFACTS", None)
+    monkeypatch.setattr(_dynamo, "_COUNTERS", None)
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        with _dynamo.artifact_scope():
+            pass
+        assert _dynamo.compile_cache_counts() is None
+    messages = [r.getMessage() for r in caplog.records if r.name == "torchdi"]
+    assert any("(artifact_scope:" in m for m in messages) and any("(compile_cache_counts:" in m for m in messages)
+
+
+def test_cache_dir_argument():
+    with pytest.raises(TypeError, match="cache_dir"):
+        torchdi.AutoCompile(cache_dir=3)
+    # the cache directory is no part of the program: equal hashes, preparations match
+    assert hash(torchdi.AutoCompile(cache_dir="/tmp/a")) == hash(torchdi.AutoCompile())
+
+
 # --------------------------------------------------------------------------------------------
 # Keys
 

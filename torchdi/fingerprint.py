@@ -56,7 +56,8 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 
 class _Walker:
-    def __init__(self, meta_only: set[int]) -> None:
+    def __init__(self, meta_only: set[int], tensor_values: bool = True) -> None:
+        self.tensor_values = tensor_values
         self.hash = hashlib.sha256()
         self.seen: dict[int, int] = {}
         self.keep: list[Any] = []  # ids stay unique while the walk runs
@@ -104,7 +105,7 @@ class _Walker:
         elif isinstance(obj, (set, frozenset)):
             parts = []
             for item in obj:
-                sub = _Walker(self.meta_only)
+                sub = _Walker(self.meta_only, self.tensor_values)
                 sub.walk(item)
                 parts.append(sub.hash.hexdigest())
             self.token(type(obj).__name__, sorted(parts))
@@ -148,7 +149,7 @@ class _Walker:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
             raise _Unkeyable(f"a {type(t).__name__} with layout {t.layout}")
         self.token("tensor", str(t.dtype), tuple(t.shape), t.device.type, t.requires_grad)
-        if id(t) in self.meta_only:
+        if id(t) in self.meta_only or not self.tensor_values:
             return
         data = t.detach().cpu().contiguous().reshape(-1)
         if data.numel():
@@ -216,7 +217,7 @@ class _Walker:
         self.walk(dict(vars(obj)))
 
 
-def fingerprint(obj: Any, meta_only: tuple[torch.Tensor, ...] = ()) -> str | None:
+def fingerprint(obj: Any, meta_only: tuple[torch.Tensor, ...] = (), *, tensor_values: bool = True) -> str | None:
     """A hex digest of ``obj`` and everything it reads (see the module docstring), or ``None``
     when some part of it cannot be keyed soundly.
 
@@ -224,6 +225,8 @@ def fingerprint(obj: Any, meta_only: tuple[torch.Tensor, ...] = ()) -> str | Non
         obj: a function (or any object) to key.
         meta_only: tensors to key by dtype, shape and device only (values a preparation never
             reads, such as a context's).
+        tensor_values: ``False`` keys every tensor by dtype, shape and device only (a key that
+            only has to tell programs apart, not prove them equal: no pass over a model's weights).
 
     Returns:
         64 hex digits, equal across processes for equal code and data; ``None``: not keyable.
@@ -239,7 +242,7 @@ def fingerprint(obj: Any, meta_only: tuple[torch.Tensor, ...] = ()) -> str | Non
         >>> a != fingerprint(f)
         True
     """
-    walker = _Walker({id(t) for t in meta_only})
+    walker = _Walker({id(t) for t in meta_only}, tensor_values)
     try:
         walker.walk(obj)
     except (_Unkeyable, RecursionError, TypeError, ValueError, RuntimeError, AttributeError):

@@ -56,7 +56,6 @@ when an XLA backend is used (importing torch-xla is slow and may fail on a misma
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import logging
@@ -564,49 +563,53 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
 
 
 # -- persisted compiled artifacts ("artifact_scope", "compile_cache_counts") ---------------------
-# Probed on first use, not at import: they import inductor's and dynamo's modules.
+# Probed on first use, not at import (they import inductor's and dynamo's modules); ``_UNPROBED``
+# until then, ``None`` on a torch without them.
+
+_UNPROBED: Any = object()
+
+# torch 2.7 .. 2.14.1.
+_FRESH_ARTIFACTS: Any = _UNPROBED
+# torch 2.0 .. 2.14.1 (the cache counters: AOTAutograd's since 2.4, the FX graph cache's since 2.2).
+_COUNTERS: Any = _UNPROBED
 
 
-@functools.lru_cache(maxsize=1)
-def _fresh_artifacts() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
-    def get() -> Any:
-        from torch.compiler._cache import CacheArtifactManager
+def _fresh_artifacts() -> Any:
+    from torch.compiler._cache import CacheArtifactManager
 
-        return CacheArtifactManager.with_fresh_cache
+    return CacheArtifactManager.with_fresh_cache
 
-    return cast("Callable[[], contextlib.AbstractContextManager[None]] | None", _probe(get))
+
+def _dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 def artifact_scope() -> contextlib.AbstractContextManager[None]:
     """A scope whose compilations' Mega-Cache artifacts ``torch.compiler.save_cache_artifacts``
     returns alone (the process's earlier ones are set aside and restored after it)."""
-    fresh = _fresh_artifacts()
-    if fresh is None:
+    global _FRESH_ARTIFACTS
+    if _FRESH_ARTIFACTS is _UNPROBED:
+        _FRESH_ARTIFACTS = _probe(_fresh_artifacts)
+    if _FRESH_ARTIFACTS is None:
         warn_off("artifact_scope")
         return contextlib.nullcontext()
-    return fresh()
-
-
-@functools.lru_cache(maxsize=1)
-def _counters() -> Any:
-    def get() -> Any:
-        from torch._dynamo.utils import counters
-
-        return counters
-
-    return _probe(get)
+    return cast("contextlib.AbstractContextManager[None]", _FRESH_ARTIFACTS())
 
 
 def compile_cache_counts() -> tuple[int, int] | None:
     """``(hits, misses)`` of AOTAutograd's and inductor's FX graph caches in this process so far,
     or ``None`` when this torch does not count them."""
-    counters = _counters()
-    if counters is None:
+    global _COUNTERS
+    if _COUNTERS is _UNPROBED:
+        _COUNTERS = _probe(_dynamo_counters)
+    if _COUNTERS is None:
         warn_off("compile_cache_counts")
         return None
     try:
-        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
-        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+        hits = _COUNTERS["aot_autograd"]["autograd_cache_hit"] + _COUNTERS["inductor"]["fxgraph_cache_hit"]
+        misses = _COUNTERS["aot_autograd"]["autograd_cache_miss"] + _COUNTERS["inductor"]["fxgraph_cache_miss"]
     except (KeyError, TypeError):
         return None
     return int(hits), int(misses)

@@ -162,7 +162,7 @@ def program_key(family: str, f: Any, spec: Any, backend: AutoCompile) -> str:
     """The key of a compiled program: the operator, f (``torchdi.fingerprint``, else its name:
     the artifacts are keyed by graph in torch's caches, so a coarse key costs a miss, never a
     wrong program), the signature and the backend's settings."""
-    function = fingerprint(f) or getattr(f, "function_name", None) or repr(type(f))
+    function = fingerprint(f, tensor_values=False) or getattr(f, "function_name", None) or repr(type(f))
     return json.dumps([family, function, repr(spec), repr(backend)])
 
 
