@@ -14,8 +14,8 @@ Contenders:
 - ``torchdi-persist``: ``AutoCompile(cache_dir=<its dir>)`` (Mega-Cache artifacts persisted by
   torchdi), ``AutoSparse(AutoCompile(cache_dir=...))`` on the Brusselator.
 - ``torchdi``: ``AutoCompile(cache_dir="")``: inductor's own on-disk caches only.
-- ``torchdi-sparse-eager``: ``AutoSparse(AutoFunc())`` (Brusselator only: the persisted pattern and
-  colouring, nothing compiled).
+- ``torchdi-sparse-eager``: ``AutoSparse(AutoFunc())`` with its default persistence (Brusselator
+  only: the persisted pattern and colouring, nothing compiled).
 - ``raw``: ``torch.compile(torch.func.grad_and_value(f))`` (Brusselator: ``torch.compile(jacfwd(f))``,
   dense).
 - ``jax``: ``jax.jit(jax.value_and_grad(f))`` when JAX is importable (it is skipped otherwise).
@@ -135,7 +135,8 @@ def measure(contender: str, problem: str, directory: Path) -> dict[str, float | 
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
-        "TORCHDI_CACHE_DIR": str(directory / "torchdi") if contender == "torchdi-persist" else "",
+        # torchdi's cache: the persisting contenders' own directory; off for the others.
+        "TORCHDI_CACHE_DIR": str(directory / "torchdi") if contender in ("torchdi-persist", "torchdi-sparse-eager") else "",
         "JAX_COMPILATION_CACHE_DIR": str(directory / "jax"),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
     }

@@ -141,7 +141,7 @@ def _detection_key(backend: AutoSparse, f: BoundFunction, spec: Spec, contexts: 
     if function is None or context_key is None:
         return None
     return json.dumps([
-        "hessian" if hessian else "jacobian", function, context_key, repr(backend.sparsity),
+        "hessian" if hessian else "jacobian", function, context_key, repr(backend.sparsity), np.__version__,
         str(spec.x.spec), [list(s) for s in spec.x.shapes], [str(d) for d in spec.x.dtypes],
         str(spec.y.spec), [list(s) for s in spec.y.shapes], [str(d) for d in spec.y.dtypes],
     ])
