@@ -261,6 +261,20 @@ def test_sparse_persistence_in_process(cache_dir, monkeypatch):
     assert torch.equal(torchdi.jacobian(_sparse_f, backend, x, prep=changed).to_dense(), torch.func.jacrev(_sparse_f)(x))
 
 
+def test_sparse_over_a_persisting_compiled_backend(tmp_path):
+    """AutoSparse(AutoCompile(cache_dir=...)): the pattern and colouring load from that directory;
+    aot_eager keeps no compiled artifacts, so the fused program compiles again, and the prep
+    says it was not all loaded."""
+    backend = torchdi.AutoSparse(torchdi.AutoCompile(compiler="aot_eager", cache_dir=str(tmp_path)))
+    x = torch.linspace(0.5, 1.5, 5)
+    cold = torchdi.prepare_jacobian(_sparse_f, backend, x)
+    warm = torchdi.prepare_jacobian(_sparse_f, backend, x)
+    assert not cold.loaded_from_cache and not warm.loaded_from_cache
+    assert cold.num_compilations == warm.num_compilations == 1
+    assert Store(tmp_path).info().by_kind == {"coloring": 1, "sparsity": 1}
+    assert torch.equal(torchdi.jacobian(_sparse_f, backend, x, prep=warm).to_dense(), torch.func.jacrev(_sparse_f)(x))
+
+
 def test_tampered_pattern_is_caught_by_the_derivative_check(cache_dir):
     """A persisted pattern that misses non-zeros (here: written on purpose under f's key) fails
     the same check as a freshly traced one and is traced again: never a missing entry."""
