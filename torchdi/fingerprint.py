@@ -245,7 +245,7 @@ def fingerprint(obj: Any, meta_only: tuple[torch.Tensor, ...] = (), *, tensor_va
     walker = _Walker({id(t) for t in meta_only}, tensor_values)
     try:
         walker.walk(obj)
-    except (_Unkeyable, RecursionError, TypeError, ValueError, RuntimeError, AttributeError):
+    except Exception:  # _Unkeyable, or an object whose attributes cannot be read: not keyed
         return None
     return walker.hash.hexdigest()
 

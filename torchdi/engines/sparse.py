@@ -168,6 +168,14 @@ def _unpack(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]] | No
 
 
 def _pattern_from(arrays: dict[str, np.ndarray], meta: dict[str, Any], m: int, n: int) -> IndexSets | None:
+    """The persisted pattern, if it is a well-formed ``m x n`` CSR pattern (else ``None``)."""
+    try:
+        return _checked_pattern(arrays, meta, m, n)
+    except (TypeError, ValueError):
+        return None
+
+
+def _checked_pattern(arrays: dict[str, np.ndarray], meta: dict[str, Any], m: int, n: int) -> IndexSets | None:
     indptr, indices = arrays.get("indptr"), arrays.get("indices")
     if indptr is None or indices is None or meta.get("ncols") != n or indptr.shape != (m + 1,):
         return None
