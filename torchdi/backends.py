@@ -81,7 +81,7 @@ class AutoCompile:
         dynamic: ``torch.compile``'s ``dynamic=``.
         compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
         options: inductor options (a mapping), as ``torch.compile(options=...)``. Over torchdi's
-            one default: ``{"layout_optimization": False}`` (see ``engines.compile.inductor_options``).
+            one default: ``{"layout_optimization": False}`` (see ``engines._compiled.inductor_options``).
         cache_dir: persist the compiled artifacts of each preparation (torch's Mega-Cache:
             AOTAutograd's and inductor's FX graph caches) in this directory, and load them when a
             later preparation (this process or another) compiles the same program. ``None``:

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
 from torchdi.cache import Store, store_for
 from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
-from torchdi.engines.compile import CompiledRunner, compiled_store, program_key
+from torchdi.engines._compiled import CompiledRunner, compiled_store, program_key
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES

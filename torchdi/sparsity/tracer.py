@@ -41,12 +41,13 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi.sparsity._private import op_schema, overload_name
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.translate import to_device_tensor
 
@@ -309,10 +310,10 @@ class _Interpreter:
             value = args[0][0][args[0][1]]
             return value, refs[0][0][args[0][1]]
         value = target(*args[0], **args[1])  # type: ignore[operator]  # call_function targets are callables
-        if not isinstance(target, torch._ops.OpOverload):
+        schema = op_schema(target)
+        if schema is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
             return value, self.fallback(str(target), value, refs, fixed=False)
-        name = target.overloadpacket.__name__
-        schema = target._schema
+        name = cast(Any, target).overloadpacket.__name__
         if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
             return value, self.write(target, name, value, args, refs)
         if schema.returns and schema.returns[0].alias_info is not None:
@@ -347,7 +348,7 @@ class _Interpreter:
             new = self.broadcast(src, args[0][1], value.shape) if isinstance(src, _Ref) else self.empty(value.numel())
             fixed = src.fixed if isinstance(src, _Ref) else self.read_created
         else:
-            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), target._overloadname, None)
+            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), overload_name(target) or "default", None)
             if functional is None:
                 result = self.fallback(name, value, refs, fixed=False)
             else:
@@ -381,7 +382,7 @@ class _Interpreter:
 
     def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
         """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, args[0])) | args[1]
         return _storage_positions(store, bound["self"], bound["size"], bound["stride"], bound.get("storage_offset"))
 
@@ -505,7 +506,7 @@ class _Interpreter:
             return None
         # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
         # input element: it becomes index 0.
-        scalar = {a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments}
+        scalar = {a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in op_schema(target).arguments}
         names = list(scalar)
         pos = [0 if i < len(names) and scalar[names[i]] and a is not None else a for i, a in enumerate(pos)]
         kw = {k: 0 if scalar.get(k) and v is not None else v for k, v in kw.items()}
@@ -532,7 +533,7 @@ class _Interpreter:
 
     def reduction(self, target: Any, value: Any, positional: Any, keywords: Any, ref_pos: Any) -> IndexSets | None:
         """Union over the reduced dimensions, broadcast back for ops that keep the shape (softmax)."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, positional)) | keywords
         operands = [(a, r) for a, r in zip(positional, ref_pos) if isinstance(a, torch.Tensor) and isinstance(r, _Ref)]
         shape = operands[0][0].shape
