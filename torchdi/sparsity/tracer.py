@@ -1,9 +1,10 @@
 """``TracerSparsity``: a global, conservative sparsity pattern from ``f``'s aten graph.
 
-``f`` is traced once with ``make_fx`` (functionalized: in-place writes become ``*_scatter``
-ops; views stay views, because removing them loses the storage offsets that autograd's backward
-of a write into a slice reads through ``as_strided``) and the graph is interpreted on *index
-sets*: for every element of every tensor, the set of flat input indices it may depend on. The
+``f`` is run once (functionalized: in-place writes become ``*_scatter`` ops; views stay views,
+because removing them loses the storage offsets that autograd's backward of a write into a slice
+reads through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
+interprets it on *index sets*: for every element of every tensor, the set of flat input indices
+it may depend on. The
 pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
 contexts (floats and numpy values are traced as tensors, as compiled backends trace them).
 Values that are fixed (tensors ``f`` creates or closes over, and what is computed from them
@@ -37,7 +38,6 @@ Writes into views (in-place ops left by decompositions) update the sets of the v
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.translate import to_device_tensor
@@ -90,7 +91,6 @@ def trace_sparsity(
     """The jacobian pattern of ``f(x, contexts)`` (or, with ``hessian``, the hessian pattern of the
     scalar ``f``: the jacobian pattern of its gradient), with ``x`` and ``y`` flattened."""
     from torch.func import functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = pytree.tree_flatten(contexts)
     # Context values are never read, only their shapes: a Constant may change between calls.
@@ -111,19 +111,18 @@ def trace_sparsity(
             slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or (as_tensors and i in converted)]
             # Own copies: the interpreter replays writes (a Cache written by f) on them.
             tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
+            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
+            # numpy methods): any tensor f creates may hold them, so none is read.
+            interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
             try:
                 with warnings.catch_warnings():
                     # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
                     warnings.filterwarnings("ignore", message="To copy construct from a tensor")
                     traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
-                    graph = make_fx(traceable, tracing_mode="real")(x, *tensors)
+                    return interpreter.run(traceable, x, tensors)
             except Exception as failure:
                 error = error or failure
                 continue
-            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
-            # numpy methods): any tensor f creates may hold them, so none is read.
-            interpreter = _Interpreter(graph, x.numel(), read_created=as_tensors, varying=varying)
-            return interpreter.run(x, tensors)
     assert error is not None
     raise RuntimeError(
         "TracerSparsity: cannot trace f into an aten graph: "
@@ -260,64 +259,91 @@ def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     return mirror
 
 
+class _Recorder(TorchDispatchMode):
+    """Hands every aten op ``f`` runs (below functionalization) to the interpreter, as it runs."""
+
+    def __init__(self, interpreter: _Interpreter) -> None:
+        super().__init__()
+        self.interpreter = interpreter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.interpreter.call(func, args, kwargs or {})
+
+
 class _Interpreter:
-    def __init__(self, graph: torch.fx.GraphModule, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
-        self.graph = graph
+    """Index sets for every tensor ``f`` computes, op by op, while ``f`` runs (once, on real values).
+
+    The ops are seen by a dispatch mode rather than read from a ``make_fx`` graph: building the
+    graph (proxies, fake-tensor metadata per node) cost about 4x the rules themselves on small
+    functions, and the graph was then run a second time to get the values the rules read.
+    """
+
+    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
         self.n = n
         self.fallbacks: list[str] = []
         # False: the values of tensors f creates or closes over are not read (they may hold a
         # context's value); ``varying``: storages of such tensors (a module context's parameters).
         self.read_created = read_created
         self.varying = varying or set()
+        # id(tensor) -> (tensor, refs): the tensor is held, so its id is not reused during the run.
+        self.known: dict[int, tuple[torch.Tensor, _Ref]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def empty(self, numel: int) -> IndexSets:
         return IndexSets.empty(numel, self.n)
 
-    def run(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> TracerResult:
-        env: dict[torch.fx.Node, Any] = {}  # node -> (real value, refs)
-        placeholders = iter([x, *tensors])
-        first = True
-        output: Any = None
-        for node in self.graph.graph.nodes:
-            if node.op == "placeholder":
-                value = next(placeholders)
-                sets = IndexSets.identity(self.n) if first else self.empty(value.numel())
-                env[node] = (value, _Ref(_Store(sets, fixed=False)))
-                first = False
-            elif node.op == "get_attr":
-                value = getattr(self.graph, str(node.target))
-                fixed = self.read_created and isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.varying
-                refs = _Ref(_Store(self.empty(value.numel()), fixed=fixed)) if isinstance(value, torch.Tensor) else None
-                env[node] = (value, refs)
-            elif node.op == "call_function":
-                env[node] = self.call(node, env)
-            elif node.op == "output":
-                output = node.args[0]
-            if node in env:
-                _remember(*env[node])
-        result = output[0] if isinstance(output, (tuple, list)) else output
-        value, ref = env[result]
-        pattern = ref.sets() if isinstance(ref, _Ref) else self.empty(value.numel())
-        return TracerResult(pattern, tuple(dict.fromkeys(self.fallbacks)))
+    def run(self, traceable: Callable[..., Any], x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> TracerResult:
+        self.register(x, _Ref(_Store(IndexSets.identity(self.n), fixed=False)))
+        for t in tensors:
+            self.register(t, _Ref(_Store(self.empty(t.numel()), fixed=False)))
+        with _Recorder(self):
+            output = traceable(x, *tensors)
+        result = pytree.tree_leaves(output)[0] if not isinstance(output, torch.Tensor) else output
+        ref = self.ref_of(result)
+        return TracerResult(ref.sets(), tuple(dict.fromkeys(self.fallbacks)))
 
-    def call(self, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> tuple[Any, Any]:
-        args = pytree.tree_map_only(torch.fx.Node, lambda a: env[a][0], (node.args, node.kwargs))
-        refs = pytree.tree_map_only(torch.fx.Node, lambda a: env[a][1], (node.args, node.kwargs))
-        target = node.target
-        if target is operator.getitem:
-            value = args[0][0][args[0][1]]
-            return value, refs[0][0][args[0][1]]
-        value = target(*args[0], **args[1])  # type: ignore[operator]  # call_function targets are callables
-        if not isinstance(target, torch._ops.OpOverload):
-            return value, self.fallback(str(target), value, refs, fixed=False)
+    def register(self, value: Any, refs: Any) -> None:
+        """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
+        _remember(value, refs)
+        for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+            if isinstance(v, torch.Tensor) and isinstance(r, _Ref):
+                self.known[id(v)] = (v, r)
+
+    def ref_of(self, tensor: torch.Tensor) -> _Ref:
+        """The refs of a tensor the run has seen; otherwise a tensor created before the run
+        (closed over by ``f``): it depends on nothing, and is fixed unless it is a module's."""
+        found = self.known.get(id(tensor))
+        if found is not None and found[0] is tensor:
+            return found[1]
+        try:
+            varying = tensor.untyped_storage().data_ptr() in self.varying
+        except Exception:  # no storage to compare (a tensor subclass): take it as varying
+            varying = True
+        ref = _Ref(_Store(self.empty(tensor.numel()), fixed=self.read_created and not varying))
+        self.register(tensor, ref)
+        return ref
+
+    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
+        refs = pytree.tree_map_only(torch.Tensor, self.ref_of, (positional, keywords))
+        value = target(*positional, **keywords)
+        if any(isinstance(v, (bool, int, float, complex)) for v in pytree.tree_leaves(value)) and not self.fixed_inputs(refs):
+            # A Python number read from x or a context (.item(), if on a tensor): what f does next
+            # depends on the value, so no pattern from this one run holds for every x.
+            raise RuntimeError(
+                f"f reads a value computed from x or a context ({target}): data-dependent Python control flow"
+            )
+        args = (tuple(positional), keywords)
+        refs = (tuple(refs[0]), refs[1])
         name = target.overloadpacket.__name__
         schema = target._schema
         if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
-            return value, self.write(target, name, value, args, refs)
-        if schema.returns and schema.returns[0].alias_info is not None:
-            return value, self.view(target, value, args, refs)
-        return value, self.functional(target, name, value, args, refs)
+            result = self.write(target, name, value, args, refs)
+        elif schema.returns and schema.returns[0].alias_info is not None:
+            result = self.view(target, value, args, refs)
+        else:
+            result = self.functional(target, name, value, args, refs)
+        self.register(value, result)
+        return value
 
     def fixed_inputs(self, refs: Any) -> bool:
         return all(r.fixed for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref))
