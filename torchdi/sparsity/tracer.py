@@ -214,9 +214,32 @@ _CONTRACTIONS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "matmul"
 _MAX_PAIRS = 30_000_000
 
 
+# Aten arguments and results nest only in lists and tuples (kwargs: one dict): these walk them
+# without pytree, whose generic node lookup was half of the interpreter's time.
+def _leaves(obj: Any) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts, ``None`` included (so two structures align)."""
+    if isinstance(obj, (list, tuple)):
+        return [leaf for item in obj for leaf in _leaves(item)]
+    if isinstance(obj, dict):
+        return [leaf for item in obj.values() for leaf in _leaves(item)]
+    return [obj]
+
+
+def _map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """``fn`` on every leaf of nested lists and tuples (``None`` stays ``None``)."""
+    if isinstance(obj, (list, tuple)):
+        mapped = [_map(fn, item) for item in obj]
+        return mapped if isinstance(obj, list) else tuple(mapped)
+    return None if obj is None else fn(obj)
+
+
+def _refs_in(refs: Any) -> list[_Ref]:
+    return [r for r in _leaves(refs) if isinstance(r, _Ref)]
+
+
 def _remember(value: Any, refs: Any) -> None:
     """Record, for every store that a result created, the real tensor holding its elements."""
-    for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+    for v, r in zip(_leaves(value), _leaves(refs)):
         if isinstance(v, torch.Tensor) and isinstance(r, _Ref) and r.positions is None and r.store.value is None:
             r.store.value = v
 
@@ -246,6 +269,20 @@ def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: 
     if flat.size and flat.min() < 0:
         return None
     return flat
+
+
+_SCALAR_ARGUMENTS: dict[Any, dict[str, bool]] = {}
+
+
+def _scalar_arguments(target: Any) -> dict[str, bool]:
+    """Which of an op's arguments are numbers (a padding or fill value), by name, in order (cached:
+    reading the schema's types costs more than the op itself)."""
+    found = _SCALAR_ARGUMENTS.get(target)
+    if found is None:
+        found = _SCALAR_ARGUMENTS[target] = {
+            a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments
+        }
+    return found
 
 
 def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
@@ -298,14 +335,14 @@ class _Interpreter:
             self.register(t, _Ref(_Store(self.empty(t.numel()), fixed=False)))
         with _Recorder(self):
             output = traceable(x, *tensors)
-        result = pytree.tree_leaves(output)[0] if not isinstance(output, torch.Tensor) else output
+        result = _leaves(output)[0]
         ref = self.ref_of(result)
         return TracerResult(ref.sets(), tuple(dict.fromkeys(self.fallbacks)))
 
     def register(self, value: Any, refs: Any) -> None:
         """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
         _remember(value, refs)
-        for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+        for v, r in zip(_leaves(value), _leaves(refs)):
             if isinstance(v, torch.Tensor) and isinstance(r, _Ref):
                 self.known[id(v)] = (v, r)
 
@@ -324,9 +361,12 @@ class _Interpreter:
         return ref
 
     def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
-        refs = pytree.tree_map_only(torch.Tensor, self.ref_of, (positional, keywords))
+        def ref(a: Any) -> Any:
+            return self.ref_of(a) if isinstance(a, torch.Tensor) else a
+
+        refs = (_map(ref, positional), {k: _map(ref, v) for k, v in keywords.items()})
         value = target(*positional, **keywords)
-        if any(isinstance(v, (bool, int, float, complex)) for v in pytree.tree_leaves(value)) and not self.fixed_inputs(refs):
+        if any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
             # A Python number read from x or a context (.item(), if on a tensor): what f does next
             # depends on the value, so no pattern from this one run holds for every x.
             raise RuntimeError(
@@ -346,11 +386,11 @@ class _Interpreter:
         return value
 
     def fixed_inputs(self, refs: Any) -> bool:
-        return all(r.fixed for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref))
+        return all(r.fixed for r in _refs_in(refs))
 
     def fallback(self, name: str, value: Any, refs: Any, fixed: bool) -> Any:
         """Every output element depends on every input element."""
-        inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
+        inputs = _refs_in(refs)
         columns = np.concatenate([r.sets().indices for r in inputs]) if inputs else np.zeros(0, dtype=np.int64)
         union = IndexSets.from_pairs(np.zeros(columns.size, dtype=np.int64), columns, 1, self.n)  # one row: all of them
         if union.nnz:
@@ -363,7 +403,7 @@ class _Interpreter:
                 return _Ref(_Store(self.empty(v.numel()), fixed))
             return _Ref(_Store(union.take(np.zeros(v.numel(), dtype=np.int64)), fixed))
 
-        return pytree.tree_map(one, value)
+        return _map(one, value)
 
     # -- in-place writes and views -----------------------------------------------------------------
     def write(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
@@ -403,7 +443,7 @@ class _Interpreter:
             moved = target(positions, *args[0][1:], **args[1])
         except Exception:
             return self.fallback(str(target), value, refs, fixed=False)
-        return pytree.tree_map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
+        return _map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
 
     def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
         """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
@@ -416,11 +456,11 @@ class _Interpreter:
         fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
         if torch.Tag.nondeterministic_seeded in target.tags:
             fixed = False
-        inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
-        outputs = pytree.tree_leaves(value)
+        inputs = _refs_in(refs)
+        outputs = _leaves(value)
         float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs)
         if not float_out or name in _ZERO_DERIVATIVE or all(r.store.sets.nnz == 0 for r in inputs):
-            return pytree.tree_map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
+            return _map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
         (positional, keywords) = args
         (ref_pos, ref_kw) = refs
         if name in _SAME_SETS and isinstance(value, torch.Tensor) and value.shape == positional[0].shape:
@@ -442,7 +482,7 @@ class _Interpreter:
         elif name in _MOVEMENT:
             sets = self.movement(target, name, value, positional, keywords, ref_pos, ref_kw)
             if sets is not None:
-                return pytree.tree_map(lambda s: _Ref(_Store(s, fixed)), sets)
+                return _map(lambda s: _Ref(_Store(s, fixed)), sets)
         elif name == "mul" and len(positional) == 2:
             return _Ref(_Store(self.pointwise(value.shape, positional, ref_pos, masks=True), fixed))
         elif torch.Tag.pointwise in target.tags and isinstance(value, torch.Tensor):
@@ -450,7 +490,7 @@ class _Interpreter:
         elif name in _REDUCTIONS:
             sets = self.reduction(target, value, positional, keywords, ref_pos)
             if sets is not None:
-                return pytree.tree_map(
+                return _map(
                     lambda v: _Ref(_Store(sets if v.is_floating_point() or v.is_complex() else self.empty(v.numel()), fixed)),
                     value,
                 )
@@ -531,7 +571,7 @@ class _Interpreter:
             return None
         # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
         # input element: it becomes index 0.
-        scalar = {a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments}
+        scalar = _scalar_arguments(target)
         names = list(scalar)
         pos = [0 if i < len(names) and scalar[names[i]] and a is not None else a for i, a in enumerate(pos)]
         kw = {k: 0 if scalar.get(k) and v is not None else v for k, v in kw.items()}
@@ -544,7 +584,7 @@ class _Interpreter:
             moved = target(*pos, **kw)
         except Exception:
             return None
-        results = [t for t in pytree.tree_leaves(moved) if isinstance(t, torch.Tensor)]
+        results = [t for t in _leaves(moved) if isinstance(t, torch.Tensor)]
         if any(t.is_floating_point() or t.is_complex() or (t.numel() and (t.min() < 0 or t.max() >= offset[0])) for t in results):
             return None  # not a pure movement of elements after all: let the dense rule answer
 
@@ -554,7 +594,7 @@ class _Interpreter:
                 return union.take(np.zeros(indices.numel(), dtype=np.int64))
             return stacked.take(indices.reshape(-1).numpy().astype(np.int64) - 1)
 
-        return pytree.tree_map(lambda t: sets_of(t) if isinstance(t, torch.Tensor) else None, moved)
+        return _map(lambda t: sets_of(t) if isinstance(t, torch.Tensor) else None, moved)
 
     def reduction(self, target: Any, value: Any, positional: Any, keywords: Any, ref_pos: Any) -> IndexSets | None:
         """Union over the reduced dimensions, broadcast back for ops that keep the shape (softmax)."""
@@ -577,7 +617,7 @@ class _Interpreter:
         n_groups = int(np.prod(reduced)) if reduced else 1
         owner = torch.arange(n_groups).reshape(reduced).expand(shape).reshape(-1).numpy() if ndim else np.zeros(1, dtype=np.int64)
         grouped = IndexSets.union([r.sets().group(owner, n_groups) for _, r in operands])
-        out = pytree.tree_leaves(value)[0]
+        out = _leaves(value)[0]
         if out.numel() == n_groups:
             return grouped
         if tuple(out.shape) == tuple(shape):
