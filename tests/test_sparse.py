@@ -740,3 +740,20 @@ def test_rule_2_on_compiled_sparse_both_variants(family):
             g = g.to_dense() if isinstance(g, torch.Tensor) and g.layout == torch.sparse_csr else g
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
         assert prep.num_compilations == before, name
+
+
+def test_substitution_with_postprocessing_or_bidirectional_is_refused_clearly():
+    # Neither combination is implemented: an error naming what works, never the option silently dropped.
+    with pytest.raises(ValueError, match=r"postprocessing=True works with decompression='direct'.*GreedyColoring\(decompression='substitution'\)"):
+        torchdi.GreedyColoring(postprocessing=True, decompression="substitution")
+    mixed = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc())
+    backend = torchdi.AutoSparse(mixed, coloring=torchdi.GreedyColoring(decompression="substitution"))
+    with pytest.raises(ValueError, match=r"bidirectional colouring \(MixedMode jacobians\).*GreedyColoring\(decompression='direct'\)"):
+        torchdi.prepare_jacobian(arrow, backend, torch.rand(20, dtype=torch.float64))
+    # The same backend's hessians keep substitution; one-sided jacobians are read directly.
+    x = torch.rand(8, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_hessian(chained_rosenbrock, backend, x)
+    assert prep.sparse_mode == "substitution"
+    assert torch.allclose(torchdi.hessian(chained_rosenbrock, backend, x, prep=prep).to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    one_sided = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(decompression="substitution"))
+    assert torch.allclose(torchdi.jacobian(arrow, one_sided, x).to_dense(), dense_jacobian(arrow, x))

@@ -174,6 +174,15 @@ class SparseRunner:
         rows = column_coloring(pattern.transpose(), coloring) if reverse_ok else None
         n_columns = int(columns.max(initial=-1)) + 1 if columns is not None else None
         n_rows = int(rows.max(initial=-1)) + 1 if rows is not None else None
+        if isinstance(self.backend.dense, MixedMode) and coloring.decompression == "substitution":
+            # Star bicolouring with substitution (acyclic bicolouring) is not implemented: refused
+            # rather than silently giving the direct variant the user did not ask for.
+            raise ValueError(
+                "AutoSparse: bidirectional colouring (MixedMode jacobians) recovers entries directly only; "
+                "decompression='substitution' is for hessians. Use GreedyColoring(decompression='direct') for "
+                "MixedMode jacobians (hessians may keep substitution in another AutoSparse backend), or a "
+                "one-sided dense backend such as AutoFunc()"
+            )
         if isinstance(self.backend.dense, MixedMode) and pattern.nnz:
             # Bidirectional only when it needs fewer passes than both one-sided colourings.
             mixed_columns, mixed_rows = bidirectional_coloring(pattern, coloring)
