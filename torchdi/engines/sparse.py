@@ -55,7 +55,7 @@ from torchdi.sparsity.decompression import (
 )
 from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
-from torchdi.sparsity.known import KnownSparsity, known_sparsity
+from torchdi.sparsity.known import KnownColoring, KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import trace_sparsity
 
 __all__ = ["SparseEngine", "SparseRunner"]
@@ -130,6 +130,37 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
     return pattern, traced.fallbacks
 
 
+def _known_pattern(known: KnownColoring, m: int, n: int, hessian: bool) -> IndexSets:
+    what = "hessian" if hessian else "jacobian"
+    wanted = ("star", "substitution") if hessian else ("forward", "reverse", "mixed")
+    if known.mode not in wanted:
+        raise ValueError(
+            f"AutoSparse: coloring=KnownColoring(mode={known.mode!r}) cannot serve a {what}: a {what} takes mode "
+            f"{' or '.join(map(repr, wanted))} (prep.known_coloring of a {what} preparation)"
+        )
+    if known.shape != (m, n):
+        raise ValueError(
+            f"AutoSparse: the KnownColoring is for a {known.shape[0]} x {known.shape[1]} matrix, but this {what} is "
+            f"{m} x {n} (x.numel() = {n}): pass the prep.known_coloring of a preparation with these shapes"
+        )
+    return known.sets
+
+
+def _structurally_orthogonal(pattern: IndexSets, colors: np.ndarray) -> bool:
+    """Whether every stored column has a colour and no row holds two columns of one colour."""
+    cols = pattern.indices
+    if cols.size and colors[cols].min() < 0:
+        return False
+    k = max(int(colors.max(initial=-1)) + 1, 1)
+    keys = pattern.row_ids() * k + colors[cols]
+    return bool(np.unique(keys).size == keys.size)
+
+
+def _no_colors(mode: str, m: int, n: int) -> np.ndarray:
+    """The colours of an empty colouring (no pass): every column (rows in reverse mode) in none."""
+    return np.full(m if mode == "reverse" else n, -1, dtype=np.int64)
+
+
 class SparseRunner:
     """The sparse jacobian (``(y, J)``) or hessian (``(y, grad, H)``) runner of one preparation.
 
@@ -200,6 +231,45 @@ class SparseRunner:
         assert rows is not None
         return "reverse", [("pullback", rows)], jacobian_recovery(pattern, rows, by_rows=True)
 
+    def _known_passes(self, known: KnownColoring, pattern: IndexSets, hessian: bool) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
+        """The passes and recovery of a ``KnownColoring``, refused when its colours cannot recover
+        every entry of its pattern or the dense backend cannot run its passes."""
+        mode = known.mode
+        if mode == "mixed" and not isinstance(self.backend.dense, MixedMode):
+            raise ValueError("AutoSparse: a KnownColoring with mode 'mixed' needs a MixedMode(forward, reverse) dense backend")
+        family = {"forward": "pushforward", "reverse": "pullback"}.get(mode)
+        if family is not None and family not in self.dense_native and ({"pushforward", "pullback"} - {family}) & self.dense_native:
+            raise ValueError(
+                f"AutoSparse: a KnownColoring with mode {mode!r} needs {family}s, which {self.backend.dense!r} does not "
+                "run natively; colour again (coloring=GreedyColoring()) for this dense backend"
+            )
+        invalid = ValueError(
+            f"AutoSparse: the KnownColoring's colours (mode {mode!r}) cannot recover every entry of its pattern: "
+            "pass the prep.known_coloring of a preparation unchanged, or colour again (coloring=GreedyColoring())"
+        )
+        if mode == "star":
+            recovery = star_recovery(pattern, known.colors[0])
+            if recovery is None:
+                raise invalid
+            return mode, [("hvp", known.colors[0])], recovery
+        if mode == "substitution":
+            try:
+                return mode, [("hvp", known.colors[0])], substitution_recovery(pattern, known.colors[0])
+            except ValueError:
+                raise invalid from None
+        if mode == "mixed":
+            columns, rows = known.colors
+            try:
+                recovery = bidirectional_recovery(pattern, columns, rows)
+            except ValueError:
+                raise invalid from None
+            return mode, [("pushforward", columns), ("pullback", rows)], recovery
+        by_rows = mode == "reverse"
+        colors = known.colors[0]
+        if not _structurally_orthogonal(pattern.transpose() if by_rows else pattern, colors):
+            raise invalid
+        return mode, [("pullback" if by_rows else "pushforward", colors)], jacobian_recovery(pattern, colors, by_rows=by_rows)
+
     def _color_hessian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
         coloring = self.backend.coloring
         colors = symmetric_coloring(pattern, coloring)
@@ -215,12 +285,19 @@ class SparseRunner:
         start = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
-        if m and n:
+        known = self.backend.coloring if isinstance(self.backend.coloring, KnownColoring) else None
+        fallbacks: tuple[str, ...]
+        if known is not None:  # computed before: no detection, no colouring
+            pattern, fallbacks = _known_pattern(known, m, n, hessian), ()
+        elif m and n:
             pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
         else:  # an empty x or f(x): the empty pattern, no colour, no pass
             pattern, fallbacks = IndexSets.empty(m, n), ()
         detected = time.perf_counter()
-        mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
+        if known is not None:
+            mode, passes, recovery = self._known_passes(known, pattern, hessian)
+        else:
+            mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
         colored = time.perf_counter()
         self.shape = (m, n)
         self.crow = torch.from_numpy(pattern.indptr.copy())
@@ -263,6 +340,7 @@ class SparseRunner:
         self.checked_entries = {id(r): checked_entry(r) for r in runners}
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
+        stored_colors = tuple(c for _, c in passes) if mode == "mixed" else (passes[0][1] if passes else _no_colors(mode, m, n))
         ncolors = sum(int(c.max(initial=-1)) + 1 for _, c in passes)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
@@ -270,6 +348,7 @@ class SparseRunner:
             "colors": all_colors[0] if len(all_colors) == 1 else tuple(all_colors),
             "groups": tuple(torch.from_numpy(g) for _, c in passes for g in color_groups(c)),
             "sparse_mode": mode,
+            "known_coloring": known if known is not None else KnownColoring(pattern, stored_colors, mode),
             "sparsity_fallbacks": fallbacks,
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
