@@ -86,7 +86,7 @@ class AutoCompile:
         dynamic: ``torch.compile``'s ``dynamic=``.
         compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
         options: inductor options (a mapping), as ``torch.compile(options=...)``. Over torchdi's
-            one default: ``{"layout_optimization": False}`` (see ``engines.compile.inductor_options``).
+            one default: ``{"layout_optimization": False}`` (see ``engines._compiled.inductor_options``).
     """
 
     inner: Backend = field(default_factory=lambda: AutoFunc())

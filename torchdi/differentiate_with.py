@@ -26,22 +26,24 @@ on compiled backends) once per signature.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-
-# (relcompile's JVP_NESTING count: a private functorch module, not fenced in engines/_dynamo.py yet)
-import torch._functorch.eager_transforms as functorch_transforms
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, State, bind_contexts, context_kinds, unwrap_contexts
-from torchdi.engines._dynamo import apply_function, forward_ad_level, transforms_active
+from torchdi.engines._dynamo import (
+    apply_function,
+    dispatch_keys,
+    forward_ad_level,
+    jvp_nests_in_dual_level,
+    transforms_active,
+)
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.operators import (
     hvp,
@@ -213,25 +215,9 @@ def _refuse_state(contexts: tuple[Any, ...], backend: Backend) -> None:
             )
 
 
-@contextlib.contextmanager
-def _backend_jvp_nests() -> Iterator[None]:
-    """Let the backend's ``torch.func.jvp`` run inside the user's eager dual level.
-
-    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
-    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
-    tangents apart by functorch's own levels. Under eager forward AD (``fwAD.dual_level``) the
-    level is the user's: count it as an outer jvp, so that the backend's jvp (``AutoFunc``,
-    ``AutoCompile`` over it) nests in it as under ``torch.func.jvp``, instead of failing with
-    "Nested forward mode AD is not supported".
-    """
-    if forward_ad_level() < 0 or getattr(functorch_transforms, "JVP_NESTING", None) != 0:
-        yield
-        return
-    functorch_transforms.JVP_NESTING += 1
-    try:
-        yield
-    finally:
-        functorch_transforms.JVP_NESTING -= 1
+# Let the backend's torch.func.jvp (AutoFunc, AutoCompile over it) run inside the user's eager
+# dual level (fwAD.dual_level), as it nests under torch.func.jvp (see the fence's docstring).
+_backend_jvp_nests = jvp_nests_in_dual_level
 
 
 _PREPARE: dict[str, Callable[..., Prep]] = {
@@ -401,8 +387,8 @@ def _legacy_batched(tensor: Any) -> bool:
     and ``gradcheck(check_batched_grad=True)`` use (``torch.func.vmap``'s is ``FuncTorchBatched``).
     Its dispatch key is not exposed as a ``DispatchKey`` member: read from the key set's repr (a
     torch that prints it otherwise only loses the clear message, torch's own error remains)."""
-    keys = getattr(torch._C, "_dispatch_keys", None)
-    return isinstance(tensor, torch.Tensor) and keys is not None and _LEGACY_BATCHED.search(repr(keys(tensor))) is not None
+    keys = dispatch_keys(tensor) if isinstance(tensor, torch.Tensor) else None
+    return keys is not None and _LEGACY_BATCHED.search(keys) is not None
 
 
 _LEGACY_BATCHED = re.compile(r"[(, ]Batched[,)]")

@@ -40,6 +40,25 @@ The fast paths, by name (``FAST_PATHS``):
   dual level may be open.
 - ``"set_grad_enabled"``: ``torch._C._set_grad_enabled`` (no context-manager object, ~1 us per
   call). Fallback: ``torch.set_grad_enabled(mode)`` called as a function.
+- ``"functorch_level"``: ``torch._C._functorch.maybe_current_level`` (is a ``torch.func``
+  transform wrapping this call?). Fallback: ``"transforms_active"`` (and, without it, "a transform
+  may be active": eager backends then always run transparently, compiled ones refuse).
+- ``"functorch_unwrap"``: ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``get_unwrapped``
+  (the plain tensor under ``torch.func``'s wrappers). Fallback: a tensor is taken as wrapped
+  whenever a transform is active (finite differences then keep their step a tensor), and value
+  comparisons of possibly wrapped tensors (the mutation check's, under a transform) are left to
+  the version counters alone.
+- ``"jvp_nesting"``: ``torch._functorch.eager_transforms.JVP_NESTING``, the count that lets a
+  backend's ``torch.func.jvp`` nest in the user's eager dual level (``DifferentiateWith`` under
+  ``fwAD.dual_level``). Fallback: nothing counted; torch then refuses the nested jvp with its own
+  error ("Nested forward mode AD is not supported"); backends without a jvp of their own
+  (``AutoFiniteDiff``) still work there, and ``torch.func.jvp`` around ``g`` works for all.
+- ``"dispatch_keys"``: ``torch._C._dispatch_keys`` (a tensor's dispatch key set, to recognise
+  torch's legacy ``vmap`` batching). Fallback: not recognised; ``DifferentiateWith`` loses its
+  clear message there and torch's own error ("Batching rule not implemented") remains.
+- ``"dynamo_errors"``: ``torch._dynamo.exc.BackendCompilerFailed`` and ``UserError``, which
+  ``AutoCompile`` turns into messages naming what works. Fallback: the errors surface as torch
+  raised them.
 
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
 when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
@@ -60,7 +79,6 @@ import torch.autograd.forward_ad as fwAD
 
 __all__ = [
     "FAST_PATHS",
-    "GRAPH_BREAK_ERRORS",
     "RECOMPILE_LIMIT",
     "DynamoCache",
     "fresh_entry_point",
@@ -69,10 +87,18 @@ __all__ = [
     "cache_entries",
     "compile_function",
     "compiler_for",
+    "compiler_failure_errors",
+    "dispatch_keys",
     "dynamo_settings",
+    "dynamo_user_errors",
     "forget_float_specializations",
+    "graph_break_errors",
     "forward_ad_level",
+    "functorch_level",
+    "functorch_unwrapped",
     "is_compiling",
+    "is_functorch_wrapped",
+    "jvp_nests_in_dual_level",
     "release_code",
     "set_grad_enabled",
     "transforms_active",
@@ -90,7 +116,10 @@ def _probe(getter: Callable[[], Any]) -> Any:
         return None
 
 
-# -- probes (once, at import) ------------------------------------------------------------------
+# -- probes (once: at import, or on first use for those that import dynamo) ----------------------
+
+# A probe not run yet (see _LAZY_PROBES).
+_UNPROBED: Any = object()
 
 # torch 2.1 .. 2.14.1 (the C++ guard manager, CacheEntry.guard_manager, since 2.4).
 _CACHE_ENTRY_LIST: Callable[[types.CodeType], Any] | None = _probe(
@@ -105,7 +134,7 @@ def _reset_code_and_backends() -> tuple[Callable[[types.CodeType], None], dict[i
 
 
 # torch 2.1 .. 2.14.1 (reset_code; cached_backends, a dict by id of the backend).
-_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _probe(_reset_code_and_backends)
+_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _UNPROBED
 
 # torch 2.0 .. 2.14.1.
 _COMPILER_WRAPPERS: tuple[type, type] | None = _probe(lambda: (torch._TorchCompileInductorWrapper, torch._TorchCompileWrapper))
@@ -124,10 +153,10 @@ def _lookup_backend() -> Callable[[str], Any]:
 
 
 # torch 2.0 .. 2.14.1: dynamo's registry of backends by name (the compiler wrappers' fallback).
-_LOOKUP_BACKEND: Callable[[str], Any] | None = _probe(_lookup_backend)
+_LOOKUP_BACKEND: Callable[[str], Any] | None = _UNPROBED
 
 # torch 2.6 .. 2.14.1 (symbolic floats).
-_TENSORIFY_STATE: Any = _probe(_tensorify_state)
+_TENSORIFY_STATE: Any = _UNPROBED
 
 
 def _unwrap_dead_wrappers() -> Callable[[Any], Any]:
@@ -150,6 +179,45 @@ _FORWARD_AD_LEVEL: bool = isinstance(_probe(lambda: fwAD._current_level), int)
 # torch 1.x .. 2.14.1.
 _SET_GRAD_ENABLED: Callable[[bool], None] | None = _probe(lambda: torch._C._set_grad_enabled)
 
+def _functorch_level() -> Callable[[], int | None]:
+    return torch._C._functorch.maybe_current_level
+
+
+def _functorch_unwrap() -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]:
+    return torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
+
+
+# torch 2.0 .. 2.14.1: functorch's current level (None outside every transform).
+_FUNCTORCH_LEVEL: Callable[[], int | None] | None = _probe(_functorch_level)
+
+# torch 2.0 .. 2.14.1: functorch's wrapper tensors.
+_FUNCTORCH_UNWRAP: tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]] | None = _probe(_functorch_unwrap)
+
+
+def _eager_transforms() -> Any:
+    import torch._functorch.eager_transforms as eager_transforms
+
+    if not isinstance(eager_transforms.JVP_NESTING, int):
+        raise TypeError("JVP_NESTING is not a count")
+    return eager_transforms
+
+
+# torch 2.0 .. 2.14.1: the module holding torch.func.jvp's nesting count (JVP_NESTING).
+_JVP_NESTING: Any = _probe(_eager_transforms)
+
+# torch 1.x .. 2.14.1: a tensor's dispatch key set.
+_DISPATCH_KEYS: Callable[[torch.Tensor], Any] | None = _probe(lambda: torch._C._dispatch_keys)
+
+
+def _dynamo_errors() -> tuple[type[BaseException], type[BaseException]]:
+    import torch._dynamo.exc
+
+    return torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.UserError
+
+
+# torch 2.0 .. 2.14.1: a compiler's failure, and dynamo's refusal of the function itself.
+_DYNAMO_ERRORS: tuple[type[BaseException], type[BaseException]] | None = _UNPROBED
+
 # torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
 _COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
 
@@ -160,7 +228,7 @@ def _dynamo_config() -> Any:
     return torch._dynamo.config
 
 
-_CONFIG: Any = _probe(_dynamo_config)
+_CONFIG: Any = _UNPROBED
 
 
 def _graph_break_errors() -> tuple[type[BaseException], ...]:
@@ -171,7 +239,32 @@ def _graph_break_errors() -> tuple[type[BaseException], ...]:
 
 # torch 2.0 .. 2.14.1: what dynamo raises for a graph break under fullgraph=True. Without it,
 # nothing is taken for a graph break: the error surfaces as torch raised it.
-GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] = _probe(_graph_break_errors) or ()
+_GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] | None = _UNPROBED
+
+# The probes that import torch._dynamo (about a second, most of `import torchdi` otherwise) run
+# on first use, once: a program that never compiles never imports dynamo. (They import torch's
+# modules, not torchdi's: nothing here dodges an import cycle.)
+_LAZY_PROBES: dict[str, Callable[[], Any]] = {
+    "_RELEASE": _reset_code_and_backends,
+    "_LOOKUP_BACKEND": _lookup_backend,
+    "_TENSORIFY_STATE": _tensorify_state,
+    "_DYNAMO_ERRORS": _dynamo_errors,
+    "_CONFIG": _dynamo_config,
+    "_GRAPH_BREAK_ERRORS": _graph_break_errors,
+}
+
+
+def _lazy(name: str) -> Any:
+    """The probe ``name`` (one of ``_LAZY_PROBES``), probed now if it was not yet."""
+    value = globals()[name]
+    if value is _UNPROBED:
+        value = globals()[name] = _probe(_LAZY_PROBES[name])
+    return value
+
+
+def graph_break_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises for a graph break under ``fullgraph=True`` (``()``: none recognised)."""
+    return _lazy("_GRAPH_BREAK_ERRORS") or ()
 
 FAST_PATHS: dict[str, str] = {
     "guard_lookup": "evaluating dynamo's guards and running its transformed code without torch.compile's per-call wrapper",
@@ -183,6 +276,20 @@ FAST_PATHS: dict[str, str] = {
     "transforms_active": "asking functorch whether a transform is active",
     "forward_ad_level": "reading forward-mode AD's current level",
     "set_grad_enabled": "switching grad mode without a context-manager object",
+    "functorch_level": "reading functorch's current transform level",
+    "functorch_unwrap": "recognising and unwrapping torch.func's wrapper tensors",
+    "jvp_nesting": "nesting a backend's torch.func.jvp in the caller's eager dual level",
+    "dispatch_keys": "reading a tensor's dispatch keys (torch's legacy vmap batching)",
+    "dynamo_errors": "recognising dynamo's compiler failures and refusals (torch._dynamo.exc)",
+}
+
+# What a fallback costs when it is more than time (the others are slower, never different).
+_COSTS: dict[str, str] = {
+    "jvp_nesting": (
+        "with which DifferentiateWith(f, backend) under an eager fwAD.dual_level works for backends that open no "
+        "jvp of their own (AutoFiniteDiff); torch refuses the others ('Nested forward mode AD is not supported'), "
+        "torch.func.jvp around g works for all"
+    ),
 }
 
 _warned: set[str] = set()
@@ -195,11 +302,12 @@ def warn_off(name: str, detail: str = "") -> None:
     _warned.add(name)
     logger.warning(
         "torchdi: torch %s lacks the internal behind a fast path (%s: %s)%s; torchdi uses the public "
-        "path instead, which is slower but gives the same results.",
+        "path instead, %s.",
         torch.__version__,
         name,
         FAST_PATHS[name],
         f" ({detail})" if detail else "",
+        _COSTS.get(name, "which is slower but gives the same results"),
     )
 
 
@@ -225,7 +333,7 @@ def release_code(code: types.CodeType | None, backend_key: int) -> bool:
     """Drop dynamo's cache entries on ``code`` and its cached backend ``backend_key`` (``id`` of the
     object passed as ``backend=``). Returns whether it could (``False``: the caller empties what it
     owns instead)."""
-    hooks = _RELEASE
+    hooks = _lazy("_RELEASE")
     if hooks is None:
         warn_off("release")
         return False
@@ -250,7 +358,7 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
     """
     wrappers = _COMPILER_WRAPPERS
     if wrappers is None:
-        lookup = _LOOKUP_BACKEND
+        lookup = _lazy("_LOOKUP_BACKEND")
         if lookup is None:
             raise RuntimeError(
                 f"AutoCompile: torch {torch.__version__} has neither torch._TorchCompileWrapper nor "
@@ -284,7 +392,7 @@ RECOMPILE_LIMIT = 1024
 def dynamo_settings(wanted: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``wanted`` (``torch._dynamo.config`` knob -> value) this torch has; a
     missing knob is left out and named in one warning."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     if config is None:
         warn_off("dynamo_config", "no torch._dynamo.config")
         return {}
@@ -305,7 +413,7 @@ def _has_knob(config: Any, name: str) -> bool:
 
 def config_value(name: str, default: Any) -> Any:
     """``torch._dynamo.config.<name>``, or ``default`` where this torch lacks it."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     return default if config is None or not _has_knob(config, name) else getattr(config, name)
 
 
@@ -316,7 +424,7 @@ def patched_config(settings: dict[str, Any]) -> Iterator[None]:
     if not present:
         yield
         return
-    with _CONFIG.patch(present):
+    with _lazy("_CONFIG").patch(present):
         yield
 
 
@@ -328,7 +436,7 @@ def forget_float_specializations() -> None:
     too (and then recompiles on every new value). It is only meant for the restarts within one
     compilation, which happen inside dynamo, between these calls.
     """
-    state = _TENSORIFY_STATE
+    state = _lazy("_TENSORIFY_STATE")
     if state is None:
         return  # a torch without symbolic floats, or one that moved the record: nothing to forget
     with contextlib.suppress(AttributeError):
@@ -377,6 +485,97 @@ def apply_function(function: Any, *args: Any) -> Any:
         return function.apply(*args)
     _, unwrap_dead_wrappers = fast
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+
+
+def functorch_level() -> int | None:
+    """The innermost active ``torch.func`` transform's level, ``None`` outside every transform
+    (``0`` when this torch cannot say but a transform may be active). Not callable while dynamo
+    traces (check ``is_compiling()`` first)."""
+    probe = _FUNCTORCH_LEVEL
+    if probe is None:
+        warn_off("functorch_level")
+        return 0 if transforms_active() else None
+    return probe()
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (``True`` whenever a transform
+    is active, when this torch cannot say)."""
+    probe = _FUNCTORCH_UNWRAP
+    if probe is None:
+        warn_off("functorch_unwrap")
+        return transforms_active()
+    return bool(probe[0](tensor))
+
+
+def functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``torch.func``'s wrappers (all batch entries of a ``vmap``ped
+    tensor); ``None`` when it may be wrapped and this torch cannot unwrap it."""
+    probe = _FUNCTORCH_UNWRAP
+    if probe is None:
+        if not transforms_active():
+            return tensor
+        warn_off("functorch_unwrap", "under torch.func transforms the mutation check reads version counters only")
+        return None
+    is_wrapped, get_unwrapped = probe
+    while is_wrapped(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
+
+
+@contextlib.contextmanager
+def jvp_nests_in_dual_level() -> Iterator[None]:
+    """Count the caller's eager dual level (``fwAD.dual_level``) as an outer ``torch.func.jvp``.
+
+    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
+    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
+    tangents apart by functorch's own levels. Counting the user's level as an outer jvp lets a
+    backend's jvp nest in it as under ``torch.func.jvp``, instead of failing with "Nested forward
+    mode AD is not supported". Without the count (``"jvp_nesting"``), nothing changes.
+    """
+    transforms = _JVP_NESTING
+    if forward_ad_level() < 0:
+        yield
+        return
+    if transforms is None:
+        warn_off("jvp_nesting")
+        yield
+        return
+    if transforms.JVP_NESTING != 0:
+        yield
+        return
+    transforms.JVP_NESTING += 1
+    try:
+        yield
+    finally:
+        transforms.JVP_NESTING -= 1
+
+
+def dispatch_keys(tensor: torch.Tensor) -> str | None:
+    """The repr of ``tensor``'s dispatch key set, ``None`` when this torch does not show it."""
+    probe = _DISPATCH_KEYS
+    if probe is None:
+        warn_off("dispatch_keys")
+        return None
+    return repr(probe(tensor))
+
+
+def compiler_failure_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's "the backend compiler failed" error class (``()``: none recognised)."""
+    errors = _lazy("_DYNAMO_ERRORS")
+    if errors is None:
+        warn_off("dynamo_errors")
+        return ()
+    return (errors[0],)
+
+
+def dynamo_user_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's refusals of the traced function itself (a data-dependent guard...) (``()``: none recognised)."""
+    errors = _lazy("_DYNAMO_ERRORS")
+    if errors is None:
+        warn_off("dynamo_errors")
+        return ()
+    return (errors[1],)
 
 
 def set_grad_enabled(mode: bool) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
 from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
-from torchdi.engines.compile import CompiledRunner
+from torchdi.engines._compiled import CompiledRunner
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES

@@ -38,16 +38,17 @@ Writes into views (in-place ops left by decompositions) update the sets of the v
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchdi.sparsity._private import op_schema, overload_name, recording
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.translate import to_device_tensor
 
@@ -280,7 +281,7 @@ def _scalar_arguments(target: Any) -> dict[str, bool]:
     found = _SCALAR_ARGUMENTS.get(target)
     if found is None:
         found = _SCALAR_ARGUMENTS[target] = {
-            a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments
+            a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in op_schema(target).arguments
         }
     return found
 
@@ -294,17 +295,6 @@ def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     except Exception:
         return None
     return mirror
-
-
-class _Recorder(TorchDispatchMode):
-    """Hands every aten op ``f`` runs (below functionalization) to the interpreter, as it runs."""
-
-    def __init__(self, interpreter: _Interpreter) -> None:
-        super().__init__()
-        self.interpreter = interpreter
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return self.interpreter.call(func, args, kwargs or {})
 
 
 class _Interpreter:
@@ -333,11 +323,35 @@ class _Interpreter:
         self.register(x, _Ref(_Store(IndexSets.identity(self.n), fixed=False)))
         for t in tensors:
             self.register(t, _Ref(_Store(self.empty(t.numel()), fixed=False)))
-        with _Recorder(self):
-            output = traceable(x, *tensors)
+        mode = recording(self.call)
+        if mode is not None:
+            with mode:
+                output = traceable(x, *tensors)
+        else:  # no dispatch modes in this torch: record the graph, then replay it op by op
+            # Imported when needed: slow to import.
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            output = self.replay(make_fx(traceable, tracing_mode="real")(x, *tensors), x, tensors)
         result = _leaves(output)[0]
         ref = self.ref_of(result)
         return TracerResult(ref.sets(), tuple(dict.fromkeys(self.fallbacks)))
+
+    def replay(self, graph: torch.fx.GraphModule, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run a recorded graph's ops through ``call`` (the values are recomputed from the inputs)."""
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter([x, *tensors])
+        output: Any = None
+        for node in graph.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "get_attr":  # a tensor f closed over: a constant to ref_of
+                env[node] = getattr(graph, str(node.target))
+            elif node.op == "call_function":
+                args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, (node.args, node.kwargs))
+                env[node] = args[0][args[1]] if node.target is operator.getitem else self.call(node.target, args, kwargs)
+            elif node.op == "output":
+                output = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
+        return output
 
     def register(self, value: Any, refs: Any) -> None:
         """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
@@ -374,8 +388,11 @@ class _Interpreter:
             )
         args = (tuple(positional), keywords)
         refs = (tuple(refs[0]), refs[1])
-        name = target.overloadpacket.__name__
-        schema = target._schema
+        schema = op_schema(target)
+        if schema is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
+            self.register(value, self.fallback(str(target), value, refs, fixed=False))
+            return value
+        name = cast(Any, target).overloadpacket.__name__
         if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
             result = self.write(target, name, value, args, refs)
         elif schema.returns and schema.returns[0].alias_info is not None:
@@ -413,7 +430,7 @@ class _Interpreter:
             new = self.broadcast(src, args[0][1], value.shape) if isinstance(src, _Ref) else self.empty(value.numel())
             fixed = src.fixed if isinstance(src, _Ref) else self.read_created
         else:
-            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), target._overloadname, None)
+            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), overload_name(target) or "default", None)
             if functional is None:
                 result = self.fallback(name, value, refs, fixed=False)
             else:
@@ -447,7 +464,7 @@ class _Interpreter:
 
     def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
         """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, args[0])) | args[1]
         return _storage_positions(store, bound["self"], bound["size"], bound["stride"], bound.get("storage_offset"))
 
@@ -598,7 +615,7 @@ class _Interpreter:
 
     def reduction(self, target: Any, value: Any, positional: Any, keywords: Any, ref_pos: Any) -> IndexSets | None:
         """Union over the reduced dimensions, broadcast back for ops that keep the shape (softmax)."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, positional)) | keywords
         operands = [(a, r) for a, r in zip(positional, ref_pos) if isinstance(a, torch.Tensor) and isinstance(r, _Ref)]
         shape = operands[0][0].shape

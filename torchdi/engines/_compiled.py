@@ -1,4 +1,9 @@
-"""``AutoCompile``: the inner backend's runner, compiled once with ``torch.compile`` at preparation.
+"""The compiled runner: a runner compiled once with ``torch.compile`` at preparation.
+
+The base every compiled path shares: ``AutoCompile``'s engine (``engines/autocompile.py``)
+compiles the inner backend's runner with it, ``AutoSparse`` over ``AutoCompile`` its compressed
+passes and decompression, ``DataParallel`` its gather, gradient and reduction, and the
+same-point preparations their folded runners. It sits below all of them (it imports no engine).
 
 What is traced follows one rule: every leaf of ``x``, of the tangents and of the contexts goes
 through ``to_device_tensor``; what comes out as a tensor is a graph input (its value may change
@@ -26,26 +31,25 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
-from torchdi.composition import refuse_compiled_double_backward
 from torchdi.engines._dynamo import (
-    GRAPH_BREAK_ERRORS,
     RECOMPILE_LIMIT,
     DynamoCache,
     compile_function,
+    compiler_failure_errors,
     compiler_for,
     config_value,
+    dynamo_user_errors,
     forget_float_specializations,
     fresh_entry_point,
+    graph_break_errors,
     release,
 )
-from torchdi.engines.base import ALL_FAMILIES
-from torchdi.runners import build_runner, register_engine
 from torchdi.translate import (
     copyto_,
     float_positions,
@@ -53,7 +57,7 @@ from torchdi.translate import (
     to_device_tensor,
 )
 
-__all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
+__all__ = ["CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
 
@@ -127,7 +131,7 @@ def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
 
     Example::
 
-        >>> from torchdi.engines.compile import inductor_options
+        >>> from torchdi.engines._compiled import inductor_options
         >>> inductor_options({"cpp_wrapper": True})  # with TORCHINDUCTOR_LAYOUT_OPTIMIZATION unset
         {'layout_optimization': False, 'cpp_wrapper': True}
     """
@@ -285,7 +289,7 @@ class CompiledRunner:
             # variant is prepared on its first call, inside a user's fail_on_recompile block).
             with torch.compiler.set_stance("default"):
                 self._through_dynamo(x, tangents, contexts)
-        except GRAPH_BREAK_ERRORS as error:
+        except graph_break_errors() as error:
             reason = str(error).strip().splitlines()
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
@@ -295,7 +299,7 @@ class CompiledRunner:
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
             ) from error
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except compiler_failure_errors() as error:
             if self.backend.compiler != "inductor":
                 raise
             # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
@@ -306,7 +310,7 @@ class CompiledRunner:
                 f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
                 f"compiler on this graph, not of f): {failure}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
-        except torch._dynamo.exc.UserError as error:
+        except dynamo_user_errors() as error:
             # Dynamo's refusals of the function itself, the data-dependent guard above all
             # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
             # average 1 / num_batches_tracked): as unsupported as a graph break.
@@ -416,26 +420,3 @@ def _needs_translation(tree: Any) -> bool:
         not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf
         for leaf in pytree.tree_leaves(tree)
     )
-
-
-class CompileEngine:
-    """Builds the inner backend's runner and compiles it."""
-
-    native: ClassVar[frozenset[str]] = ALL_FAMILIES
-    keeps_static: ClassVar[bool] = True
-
-    def __init__(self, backend: AutoCompile) -> None:
-        self.backend = backend
-
-    def build(self, family: str, f: Any, spec: Any) -> Any:
-        refuse_compiled_double_backward(self.backend, family, spec)
-        inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
-
-    @staticmethod
-    def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
-        """What ``f`` receives as contexts inside the compiled program (for preparation's own call)."""
-        return traced_view(values)
-
-
-register_engine(AutoCompile, CompileEngine)
