@@ -378,6 +378,30 @@ def test_sparsity_detection_without_aten_schemas(monkeypatch, caplog):
     assert len(_warnings_naming(caplog, "op_overload")) == 1
 
 
+def test_sparsity_detection_without_dispatch_modes(monkeypatch, caplog):
+    """Without torch's dispatch modes the tracer replays a make_fx graph: the same exact pattern
+    (views, a write into a slice, a cumulative sum), one warning."""
+    from torchdi.sparsity import _private
+
+    def f(x):
+        y = x.clone()
+        y[2:5] = x[:3] ** 2
+        return torch.sin(y[1:]) * x[:-1] + x[1:].cumsum(0)
+
+    x = torch.randn(8, dtype=torch.float64)
+    backend = td.AutoSparse(td.AutoFunc())
+    exact = td.prepare_jacobian(f, backend, x)
+    monkeypatch.setattr(_private, "_DISPATCH_MODE", None)
+    monkeypatch.setattr(_private.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_jacobian(f, backend, x)
+        got = td.jacobian(f, backend, x, prep=prep)
+    torch.testing.assert_close(got.to_dense(), torch.func.jacrev(f)(x))
+    assert torch.equal(prep.sparsity_pattern.to_dense(), exact.sparsity_pattern.to_dense())
+    assert not exact.sparsity_pattern.to_dense().all()  # an exact pattern, not the dense fallback
+    assert len(_warnings_naming(caplog, "dispatch_mode")) == 1
+
+
 @pytest.fixture
 def single_process_group(tmp_path):
     import torch.distributed as dist

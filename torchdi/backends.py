@@ -15,7 +15,13 @@ from typing import Any, Literal
 import torch
 
 from torchdi.errors import BackendUnavailableError
-from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
+from torchdi.sparsity import (
+    DenseSparsity,
+    GreedyColoring,
+    KnownColoring,
+    KnownSparsity,
+    TracerSparsity,
+)
 
 __all__ = [
     "AutoAutograd",
@@ -234,20 +240,25 @@ class AutoSparse:
             reverse)`` for bidirectional colouring of jacobians.
         sparsity: ``TracerSparsity()`` (global, from ``f``'s graph), ``DenseSparsity()`` (local, at
             the preparation point) or ``KnownSparsity(pattern)``.
-        coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``.
+        coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``, or a
+            ``KnownColoring`` (``prep.known_coloring`` of an earlier preparation of the same ``f``:
+            its pattern and colours are used as they are, with no detection and no colouring).
 
     The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors`` (the number
     of compressed passes), ``colors`` (``"mixed"``: a pair, column colours then row colours, ``-1``
     for a column or row in no pass), ``groups`` (the indices of each colour, forward ones first),
     ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``),
-    ``sparsity_fallbacks`` (ops the tracer had no rule for) and ``loaded_from_cache``.
+    ``sparsity_fallbacks`` (ops the tracer had no rule for), ``loaded_from_cache`` and
+    ``known_coloring`` (the pattern and colouring as a picklable ``KnownColoring``, to pass back
+    as ``coloring=``).
 
     Detection and colouring persist in ``torchdi.cache`` (``TORCHDI_CACHE_DIR``, on by default
     under the user's cache directory; ``""`` turns it off): a ``TracerSparsity`` pattern is keyed
     by ``f`` and everything it reads (code, globals, closure cells, helper functions, tensor
     values; ``torchdi.fingerprint``) with the layouts of ``x``, ``y`` and the contexts, and a
     loaded pattern passes the same check against ``f``'s own derivative as a fresh one (else it is
-    traced again); a colouring is keyed by the pattern and the colouring settings.
+    traced again); a colouring is keyed by the pattern and the colouring settings. A
+    ``KnownColoring`` is used as given (nothing is read from or written to the cache).
 
     Example::
 
@@ -274,8 +285,10 @@ class AutoSparse:
                 "AutoSparse: sparsity must be TracerSparsity(), DenseSparsity(...) or KnownSparsity(pattern), "
                 f"got {self.sparsity!r}"
             )
-        if not isinstance(self.coloring, GreedyColoring):
-            raise TypeError(f"AutoSparse: coloring must be GreedyColoring(...), got {self.coloring!r}")
+        if not isinstance(self.coloring, (GreedyColoring, KnownColoring)):
+            raise TypeError(
+                f"AutoSparse: coloring must be GreedyColoring(...) or a KnownColoring (prep.known_coloring), got {self.coloring!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from torchdi.sparsity.decompression import (
 )
 from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
-from torchdi.sparsity.known import KnownSparsity, known_sparsity
+from torchdi.sparsity.known import KnownColoring, KnownSparsity, known_sparsity
 from torchdi.sparsity.tracer import TracerSparsity, trace_sparsity
 
 __all__ = ["SparseEngine", "SparseRunner"]
@@ -246,6 +246,37 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
     return pattern, traced.fallbacks, False
 
 
+def _known_pattern(known: KnownColoring, m: int, n: int, hessian: bool) -> IndexSets:
+    what = "hessian" if hessian else "jacobian"
+    wanted = ("star", "substitution") if hessian else ("forward", "reverse", "mixed")
+    if known.mode not in wanted:
+        raise ValueError(
+            f"AutoSparse: coloring=KnownColoring(mode={known.mode!r}) cannot serve a {what}: a {what} takes mode "
+            f"{' or '.join(map(repr, wanted))} (prep.known_coloring of a {what} preparation)"
+        )
+    if known.shape != (m, n):
+        raise ValueError(
+            f"AutoSparse: the KnownColoring is for a {known.shape[0]} x {known.shape[1]} matrix, but this {what} is "
+            f"{m} x {n} (x.numel() = {n}): pass the prep.known_coloring of a preparation with these shapes"
+        )
+    return known.sets
+
+
+def _structurally_orthogonal(pattern: IndexSets, colors: np.ndarray) -> bool:
+    """Whether every stored column has a colour and no row holds two columns of one colour."""
+    cols = pattern.indices
+    if cols.size and colors[cols].min() < 0:
+        return False
+    k = max(int(colors.max(initial=-1)) + 1, 1)
+    keys = pattern.row_ids() * k + colors[cols]
+    return bool(np.unique(keys).size == keys.size)
+
+
+def _no_colors(mode: str, m: int, n: int) -> np.ndarray:
+    """The colours of an empty colouring (no pass): every column (rows in reverse mode) in none."""
+    return np.full(m if mode == "reverse" else n, -1, dtype=np.int64)
+
+
 class SparseRunner:
     """The sparse jacobian (``(y, J)``) or hessian (``(y, grad, H)``) runner of one preparation.
 
@@ -273,6 +304,8 @@ class SparseRunner:
         self.col = torch.zeros(0, dtype=torch.int64)
         self.shape = (0, 0)
         self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, TorchRecovery]] = {}
+        self.entries: dict[int, Any] = {}
+        self.checked_entries: dict[int, Any] = {}
 
     @property
     def num_compilations(self) -> int:
@@ -288,6 +321,15 @@ class SparseRunner:
         rows = column_coloring(pattern.transpose(), coloring) if reverse_ok else None
         n_columns = int(columns.max(initial=-1)) + 1 if columns is not None else None
         n_rows = int(rows.max(initial=-1)) + 1 if rows is not None else None
+        if isinstance(self.backend.dense, MixedMode) and coloring.decompression == "substitution":
+            # Star bicolouring with substitution (acyclic bicolouring) is not implemented: refused
+            # rather than silently giving the direct variant the user did not ask for.
+            raise ValueError(
+                "AutoSparse: bidirectional colouring (MixedMode jacobians) recovers entries directly only; "
+                "decompression='substitution' is for hessians. Use GreedyColoring(decompression='direct') for "
+                "MixedMode jacobians (hessians may keep substitution in another AutoSparse backend), or a "
+                "one-sided dense backend such as AutoFunc()"
+            )
         if isinstance(self.backend.dense, MixedMode) and pattern.nnz:
             # Bidirectional only when it needs fewer passes than both one-sided colourings.
             mixed_columns, mixed_rows = bidirectional_coloring(pattern, coloring)
@@ -304,6 +346,45 @@ class SparseRunner:
             return "forward", [("pushforward", columns)], jacobian_recovery(pattern, columns, by_rows=False)
         assert rows is not None
         return "reverse", [("pullback", rows)], jacobian_recovery(pattern, rows, by_rows=True)
+
+    def _known_passes(self, known: KnownColoring, pattern: IndexSets, hessian: bool) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
+        """The passes and recovery of a ``KnownColoring``, refused when its colours cannot recover
+        every entry of its pattern or the dense backend cannot run its passes."""
+        mode = known.mode
+        if mode == "mixed" and not isinstance(self.backend.dense, MixedMode):
+            raise ValueError("AutoSparse: a KnownColoring with mode 'mixed' needs a MixedMode(forward, reverse) dense backend")
+        family = {"forward": "pushforward", "reverse": "pullback"}.get(mode)
+        if family is not None and family not in self.dense_native and ({"pushforward", "pullback"} - {family}) & self.dense_native:
+            raise ValueError(
+                f"AutoSparse: a KnownColoring with mode {mode!r} needs {family}s, which {self.backend.dense!r} does not "
+                "run natively; colour again (coloring=GreedyColoring()) for this dense backend"
+            )
+        invalid = ValueError(
+            f"AutoSparse: the KnownColoring's colours (mode {mode!r}) cannot recover every entry of its pattern: "
+            "pass the prep.known_coloring of a preparation unchanged, or colour again (coloring=GreedyColoring())"
+        )
+        if mode == "star":
+            recovery = star_recovery(pattern, known.colors[0])
+            if recovery is None:
+                raise invalid
+            return mode, [("hvp", known.colors[0])], recovery
+        if mode == "substitution":
+            try:
+                return mode, [("hvp", known.colors[0])], substitution_recovery(pattern, known.colors[0])
+            except ValueError:
+                raise invalid from None
+        if mode == "mixed":
+            columns, rows = known.colors
+            try:
+                recovery = bidirectional_recovery(pattern, columns, rows)
+            except ValueError:
+                raise invalid from None
+            return mode, [("pushforward", columns), ("pullback", rows)], recovery
+        by_rows = mode == "reverse"
+        colors = known.colors[0]
+        if not _structurally_orthogonal(pattern.transpose() if by_rows else pattern, colors):
+            raise invalid
+        return mode, [("pullback" if by_rows else "pushforward", colors)], jacobian_recovery(pattern, colors, by_rows=by_rows)
 
     def _color_persisted(self, pattern: IndexSets, hessian: bool) -> tuple[str, list[tuple[str, np.ndarray]], Recovery, bool]:
         """The colouring of ``pattern``, through the cache: ``(mode, passes, recovery, loaded)``.
@@ -346,7 +427,10 @@ class SparseRunner:
                 (_, columns), (_, rows) = passes
                 recovery: Recovery | None = bidirectional_recovery(pattern, columns, rows)
             elif mode in ("forward", "reverse"):
-                recovery = jacobian_recovery(pattern, passes[0][1], by_rows=mode == "reverse")
+                by_rows = mode == "reverse"
+                if not _structurally_orthogonal(pattern.transpose() if by_rows else pattern, passes[0][1]):
+                    return None  # jacobian_recovery does not check: colour afresh
+                recovery = jacobian_recovery(pattern, passes[0][1], by_rows=by_rows)
             elif mode == "substitution":
                 recovery = substitution_recovery(pattern, passes[0][1])
             elif mode == "star":
@@ -375,13 +459,21 @@ class SparseRunner:
         start = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
-        if m and n:
+        known = self.backend.coloring if isinstance(self.backend.coloring, KnownColoring) else None
+        fallbacks: tuple[str, ...]
+        if known is not None:  # computed before: no detection, no colouring (and nothing to persist)
+            pattern, fallbacks, detection_loaded = _known_pattern(known, m, n, hessian), (), True
+        elif m and n:
             pattern, fallbacks, detection_loaded = _detect_persisted(self.backend, self.f, self.spec, x, contexts, hessian)
             detection_loaded |= not isinstance(self.backend.sparsity, TracerSparsity)  # nothing to persist
         else:  # an empty x or f(x): the empty pattern, no colour, no pass
             pattern, fallbacks, detection_loaded = IndexSets.empty(m, n), (), True
         detected = time.perf_counter()
-        mode, passes, recovery, coloring_loaded = self._color_persisted(pattern, hessian)
+        if known is not None:
+            mode, passes, recovery = self._known_passes(known, pattern, hessian)
+            coloring_loaded = True
+        else:
+            mode, passes, recovery, coloring_loaded = self._color_persisted(pattern, hessian)
         colored = time.perf_counter()
         self.shape = (m, n)
         self.crow = torch.from_numpy(pattern.indptr.copy())
@@ -419,8 +511,14 @@ class SparseRunner:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
             warm_up(self.gradient, x, None, contexts)
+        # Each runner's entry points, looked up once: checked_entry's isinstance on a runtime
+        # protocol costs ~10 us, a fifth of a prepared heat-equation call on inductor.
+        runners = [r for r, _ in self.passes] + [r for r in (self.fused, self.gradient) if r is not None]
+        self.entries = {id(r): r for r in runners}
+        self.checked_entries = {id(r): checked_entry(r) for r in runners}
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
+        stored_colors = tuple(c for _, c in passes) if mode == "mixed" else (passes[0][1] if passes else _no_colors(mode, m, n))
         ncolors = sum(int(c.max(initial=-1)) + 1 for _, c in passes)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
@@ -428,6 +526,7 @@ class SparseRunner:
             "colors": all_colors[0] if len(all_colors) == 1 else tuple(all_colors),
             "groups": tuple(torch.from_numpy(g) for _, c in passes for g in color_groups(c)),
             "sparse_mode": mode,
+            "known_coloring": known if known is not None else KnownColoring(pattern, stored_colors, mode),
             "sparsity_fallbacks": fallbacks,
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
@@ -455,8 +554,10 @@ class SparseRunner:
         if not self.prepared:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
+        entries = self.checked_entries if checked else self.entries
+
         def call(runner: Any, tangents: Any) -> Any:
-            return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
+            return entries[id(runner)](x, tangents, contexts)
 
         if self.fused is not None:
             y, values = call(self.fused, self.passes[0][1])
