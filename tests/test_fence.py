@@ -339,7 +339,7 @@ def test_compile_errors_without_dynamo_exceptions(without, caplog):
     def buffers():
         return td.State({k: v.clone() for k, v in bn.named_buffers()})
 
-    with pytest.raises(RuntimeError, match="cannot compile|cannot capture") as wrapped:
+    with pytest.raises(RuntimeError, match=r"cannot compile|cannot capture") as wrapped:
         td.gradient(loss, BACKEND, params, buffers(), td.Constant(batch))
     cause = type(wrapped.value.__cause__)
     if not issubclass(cause, _dynamo.dynamo_user_errors()):
