@@ -63,6 +63,13 @@ The fast paths, by name (``FAST_PATHS``):
 - ``"dynamo_errors"``: ``torch._dynamo.exc.BackendCompilerFailed`` and ``UserError``, which
   ``AutoCompile`` turns into messages naming what works. Fallback: the errors surface as torch
   raised them.
+- ``"artifact_scope"``: ``torch.compiler._cache.CacheArtifactManager.with_fresh_cache`` (torch
+  2.7 .. 2.14.1): the Mega-Cache artifacts (``torch.compiler.save_cache_artifacts``) of one
+  persisted preparation, apart from those of the process's other compilations. Fallback: the
+  process's artifacts so far (a larger cache entry, the same programs).
+- ``"compile_cache_counts"``: ``torch._dynamo.utils.counters`` (AOTAutograd and FX graph cache
+  hits and misses), which say whether a compilation reused persisted artifacts. Fallback:
+  ``prep.loaded_from_cache`` says that artifacts were loaded, not whether they were used.
 
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
 when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
@@ -88,7 +95,9 @@ __all__ = [
     "fresh_entry_point",
     "release",
     "apply_function",
+    "artifact_scope",
     "cache_entries",
+    "compile_cache_counts",
     "compile_function",
     "compiler_for",
     "compiler_failure_errors",
@@ -280,6 +289,8 @@ FAST_PATHS: dict[str, str] = {
     "transforms_active": "asking functorch whether a transform is active",
     "forward_ad_level": "reading forward-mode AD's current level",
     "set_grad_enabled": "switching grad mode without a context-manager object",
+    "artifact_scope": "collecting one preparation's Mega-Cache artifacts apart from the process's others",
+    "compile_cache_counts": "counting AOTAutograd / FX graph cache hits (whether persisted artifacts were used)",
     "functorch_level": "reading functorch's current transform level",
     "functorch_unwrap": "recognising and unwrapping torch.func's wrapper tensors",
     "jvp_nesting": "nesting a backend's torch.func.jvp in the caller's eager dual level",
@@ -751,3 +762,52 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
         if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
             for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
                 scope[name] = None
+
+
+# -- persisted compiled artifacts ("artifact_scope", "compile_cache_counts") ---------------------
+# Lazy probes (_LAZY_PROBES): they import inductor's and dynamo's modules.
+
+
+def _fresh_artifacts() -> Any:
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.with_fresh_cache
+
+
+def _dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+# torch 2.7 .. 2.14.1.
+_FRESH_ARTIFACTS: Any = _UNPROBED
+# torch 2.0 .. 2.14.1 (the cache counters: AOTAutograd's since 2.4, the FX graph cache's since 2.2).
+_COUNTERS: Any = _UNPROBED
+_LAZY_PROBES["_FRESH_ARTIFACTS"] = _fresh_artifacts
+_LAZY_PROBES["_COUNTERS"] = _dynamo_counters
+
+
+def artifact_scope() -> contextlib.AbstractContextManager[None]:
+    """A scope whose compilations' Mega-Cache artifacts ``torch.compiler.save_cache_artifacts``
+    returns alone (the process's earlier ones are set aside and restored after it)."""
+    fresh = _lazy("_FRESH_ARTIFACTS")
+    if fresh is None:
+        warn_off("artifact_scope")
+        return contextlib.nullcontext()
+    return cast("contextlib.AbstractContextManager[None]", fresh())
+
+
+def compile_cache_counts() -> tuple[int, int] | None:
+    """``(hits, misses)`` of AOTAutograd's and inductor's FX graph caches in this process so far,
+    or ``None`` when this torch does not count them."""
+    counters = _lazy("_COUNTERS")
+    if counters is None:
+        warn_off("compile_cache_counts")
+        return None
+    try:
+        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+    except (KeyError, TypeError):
+        return None
+    return int(hits), int(misses)
