@@ -31,6 +31,7 @@ DYNAMO_HOOKS = {
     "release": ("_RELEASE", None),
     "compiler_wrappers": ("_COMPILER_WRAPPERS", None),
     "tensorify_reset": ("_TENSORIFY_STATE", None),
+    "as_tensor_handler": ("_AS_TENSOR_API", False),
 }
 AUTOGRAD_HOOKS = {
     "function_apply": ("_FUNCTION_APPLY", None),
