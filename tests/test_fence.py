@@ -61,10 +61,18 @@ FENCES = {
 }
 # torch has no public pytree module (torch.utils.pytree is not in 2.13); torch.func's own.
 ALLOWED_PRIVATE_MODULES = {"torch.utils._pytree"}
-# Private attributes of public torch objects that the fences read. (Not yet fenced, so not
-# listed: Tensor._version, the in-place version counter the mutation checks read, and
-# Tensor._base in into_grad; both are on every torch this suite runs on.)
-FENCED_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_schema", "_overloadname", "_local_tensor"}
+# Private attributes of public torch objects that the fences read.
+FENCED_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_schema", "_overloadname", "_local_tensor", "_version", "_base"}
+# Not fenced yet (on every torch this suite runs on): Tensor._version, the in-place version
+# counter of the mutation and same-point checks and of AutoXLA's module replica, and
+# Tensor._base (is a gradient a view?) in into_grad. Listed by module so that no new use slips in.
+NOT_YET_FENCED = {
+    "operators/_guards.py": {"._version"},
+    "operators/same_point.py": {"._version"},
+    "engines/xla.py": {"._version"},
+    "differentiate_with.py": {"._version"},
+    "into_grad.py": {"._base"},
+}
 
 
 def _private_uses(tree):
@@ -105,7 +113,8 @@ def test_private_torch_internals_only_in_the_fences():
         relative = path.relative_to(package).as_posix()
         if relative in FENCES:
             continue
-        uses = _private_uses(ast.parse(path.read_text(), str(path)))
+        allowed = NOT_YET_FENCED.get(relative, set())
+        uses = [(line, what) for line, what in _private_uses(ast.parse(path.read_text(), str(path))) if what not in allowed]
         if uses:
             outside[relative] = uses
     assert not outside, f"private torch internals outside the fence modules: {outside}"

@@ -1,9 +1,13 @@
-"""The one module that touches private torch internals (dynamo, inductor, functorch, autograd).
+"""The fence of torch's dynamo, inductor, functorch and autograd internals.
 
-Every private access torchdi makes is probed here ONCE, at import, and each has a public path as
-its fallback: when a torch release moves or removes an internal, torchdi gets slower, never
-wrong. Each probe says in a comment which torch versions have it (checked on 2.9, 2.13, 2.14.1).
-When a fast path is off, one warning (logger ``torchdi``) names it, the first time it matters.
+Every such private access torchdi makes is probed here ONCE (at import; those that import
+``torch._dynamo`` on first use, so that ``import torchdi`` does not load dynamo), and each has a
+public path as its fallback: when a torch release moves or removes an internal, torchdi gets
+slower, never wrong. Each probe says in a comment which torch versions have it (checked on 2.9,
+2.13, 2.14.1). When a fast path is off, one warning (logger ``torchdi``) names it, the first time
+it matters. The other fences (same rules): ``engines/_xla_private.py`` (torch-xla),
+``sparsity/_private.py`` (aten's operator schemas), ``_distributed_private.py``
+(``torch.distributed``).
 
 The fast paths, by name (``FAST_PATHS``):
 
