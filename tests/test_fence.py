@@ -31,6 +31,7 @@ DYNAMO_HOOKS = {
     "release": ("_RELEASE", None),
     "compiler_wrappers": ("_COMPILER_WRAPPERS", None),
     "tensorify_reset": ("_TENSORIFY_STATE", None),
+    "as_tensor_handler": ("_AS_TENSOR_API", False),
 }
 AUTOGRAD_HOOKS = {
     "function_apply": ("_FUNCTION_APPLY", None),
@@ -60,10 +61,18 @@ FENCES = {
 }
 # torch has no public pytree module (torch.utils.pytree is not in 2.13); torch.func's own.
 ALLOWED_PRIVATE_MODULES = {"torch.utils._pytree"}
-# Private attributes of public torch objects that the fences read. (Not yet fenced, so not
-# listed: Tensor._version, the in-place version counter the mutation checks read, and
-# Tensor._base in into_grad; both are on every torch this suite runs on.)
-FENCED_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_schema", "_overloadname", "_local_tensor"}
+# Private attributes of public torch objects that the fences read.
+FENCED_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_schema", "_overloadname", "_local_tensor", "_version", "_base"}
+# Not fenced yet (on every torch this suite runs on): Tensor._version, the in-place version
+# counter of the mutation and same-point checks and of AutoXLA's module replica, and
+# Tensor._base (is a gradient a view?) in into_grad. Listed by module so that no new use slips in.
+NOT_YET_FENCED = {
+    "operators/_guards.py": {"._version"},
+    "operators/same_point.py": {"._version"},
+    "engines/xla.py": {"._version"},
+    "differentiate_with.py": {"._version"},
+    "into_grad.py": {"._base"},
+}
 
 
 def _private_uses(tree):
@@ -104,7 +113,8 @@ def test_private_torch_internals_only_in_the_fences():
         relative = path.relative_to(package).as_posix()
         if relative in FENCES:
             continue
-        uses = _private_uses(ast.parse(path.read_text(), str(path)))
+        allowed = NOT_YET_FENCED.get(relative, set())
+        uses = [(line, what) for line, what in _private_uses(ast.parse(path.read_text(), str(path))) if what not in allowed]
         if uses:
             outside[relative] = uses
     assert not outside, f"private torch internals outside the fence modules: {outside}"
@@ -121,7 +131,8 @@ def test_the_fence_check_sees_private_uses():
 
 
 def test_every_fast_path_has_a_fence_test():
-    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config"}
+    persisted = {"artifact_scope", "compile_cache_counts"}  # fenced in tests/test_persist.py
+    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config"} | persisted
     assert tested == set(_dynamo.FAST_PATHS)
 
 
@@ -339,7 +350,7 @@ def test_compile_errors_without_dynamo_exceptions(without, caplog):
     def buffers():
         return td.State({k: v.clone() for k, v in bn.named_buffers()})
 
-    with pytest.raises(RuntimeError, match="cannot compile|cannot capture") as wrapped:
+    with pytest.raises(RuntimeError, match=r"cannot compile|cannot capture") as wrapped:
         td.gradient(loss, BACKEND, params, buffers(), td.Constant(batch))
     cause = type(wrapped.value.__cause__)
     if not issubclass(cause, _dynamo.dynamo_user_errors()):
@@ -374,6 +385,30 @@ def test_sparsity_detection_without_aten_schemas(monkeypatch, caplog):
     dense, sparse = prep.sparsity_pattern.to_dense(), exact.sparsity_pattern.to_dense()
     assert bool((dense | sparse).eq(dense).all()) and prep.ncolors > exact.ncolors == 2
     assert len(_warnings_naming(caplog, "op_overload")) == 1
+
+
+def test_sparsity_detection_without_dispatch_modes(monkeypatch, caplog):
+    """Without torch's dispatch modes the tracer replays a make_fx graph: the same exact pattern
+    (views, a write into a slice, a cumulative sum), one warning."""
+    from torchdi.sparsity import _private
+
+    def f(x):
+        y = x.clone()
+        y[2:5] = x[:3] ** 2
+        return torch.sin(y[1:]) * x[:-1] + x[1:].cumsum(0)
+
+    x = torch.randn(8, dtype=torch.float64)
+    backend = td.AutoSparse(td.AutoFunc())
+    exact = td.prepare_jacobian(f, backend, x)
+    monkeypatch.setattr(_private, "_DISPATCH_MODE", None)
+    monkeypatch.setattr(_private.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_jacobian(f, backend, x)
+        got = td.jacobian(f, backend, x, prep=prep)
+    torch.testing.assert_close(got.to_dense(), torch.func.jacrev(f)(x))
+    assert torch.equal(prep.sparsity_pattern.to_dense(), exact.sparsity_pattern.to_dense())
+    assert not exact.sparsity_pattern.to_dense().all()  # an exact pattern, not the dense fallback
+    assert len(_warnings_naming(caplog, "dispatch_mode")) == 1
 
 
 @pytest.fixture

@@ -21,12 +21,21 @@ evaluation would run, minus its per-call machinery. When no entry's guards pass,
 through ``torch.compile``'s entry point, which recompiles; the recompilation is counted and
 logged with the guard that failed, in dynamo's words.
 
+Persisted preparations (``AutoCompile(cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): the compiled
+artifacts of a preparation (torch's Mega-Cache: AOTAutograd's and inductor's FX graph cache
+entries, ``torch.compiler.save_cache_artifacts``) are stored in ``torchdi.cache`` under a key of
+the program (f and what it reads, the signature, the backend's settings), and loaded into torch's
+caches before a later preparation of the same program compiles. Dynamo still traces ``f`` and
+builds its guards from that trace, and those caches are keyed by the traced graph itself: what is
+loaded can only make compilation faster, never change a result (rule 7 holds by construction).
+
 Each preparation owns its dynamo cache (a code object of its own), so its recompile limit is its
 own business, and everything it compiled is freed with it (rule 9).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
@@ -37,9 +46,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
+from torchdi.cache import ENV_DIR, Store, store_for
 from torchdi.engines._dynamo import (
     RECOMPILE_LIMIT,
     DynamoCache,
+    artifact_scope,
+    compile_cache_counts,
     compile_function,
     compiler_failure_errors,
     compiler_for,
@@ -50,6 +62,7 @@ from torchdi.engines._dynamo import (
     graph_break_errors,
     release,
 )
+from torchdi.fingerprint import fingerprint
 from torchdi.translate import (
     copyto_,
     float_positions,
@@ -139,6 +152,24 @@ def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return {**defaults, **(options or {})}
 
 
+def compiled_store(backend: AutoCompile) -> Store | None:
+    """Where ``backend``'s compiled artifacts persist: ``cache_dir`` when given (``""``: nowhere),
+    else ``TORCHDI_CACHE_DIR`` when set, else nowhere (opt-in: see the README)."""
+    if backend.cache_dir is not None:
+        return store_for(backend.cache_dir)
+    if os.environ.get(ENV_DIR):
+        return store_for(None)
+    return None
+
+
+def program_key(family: str, f: Any, spec: Any, backend: AutoCompile) -> str:
+    """The key of a compiled program: the operator, f (``torchdi.fingerprint``, else its name:
+    the artifacts are keyed by graph in torch's caches, so a coarse key costs a miss, never a
+    wrong program), the signature and the backend's settings."""
+    function = fingerprint(f, tensor_values=False) or getattr(f, "function_name", None) or repr(type(f))
+    return json.dumps([family, function, repr(spec), repr(backend)])
+
+
 class _CountingCompiler:
     """A ``torch.compile`` backend that counts the graphs it compiles for one runner, then delegates.
 
@@ -224,6 +255,10 @@ class CompiledRunner:
         # copied to the compiled layout must have its update copied back.
         self.state_contexts = state_contexts
         self.autocast: dict[str, torch.dtype] = {}
+        # Persistence (torchdi.cache): the program's key, set by the engine that builds the runner
+        # (None: not persisted), and whether preparation reused persisted artifacts.
+        self.persist_key: str | None = None
+        self.loaded_from_cache = False
         self._cache: DynamoCache | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
         # static input buffers, filled in place each call, and clones the outputs it returns
@@ -259,8 +294,43 @@ class CompiledRunner:
             cause,
         )
 
+    @property
+    def published(self) -> dict[str, Any]:
+        """``prep.loaded_from_cache``: whether this preparation's compilation reused persisted
+        artifacts (AOTAutograd / FX graph cache hits, and no miss)."""
+        return {"loaded_from_cache": self.loaded_from_cache}
+
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-        """Compile for these arguments' signatures (called once by ``prepare_*``)."""
+        """Compile for these arguments' signatures (called once by ``prepare_*``), loading the
+        program's persisted artifacts first and persisting them after, when a cache is on."""
+        store = compiled_store(self.backend) if self.persist_key is not None else None
+        if store is None or self.persist_key is None:
+            self._warm_up(x, tangents, contexts)
+            return
+        loaded = False
+        payload = store.get("compiled", self.persist_key)
+        if payload is not None:
+            try:
+                loaded = torch.compiler.load_cache_artifacts(payload) is not None
+            except Exception as error:  # artifacts torch cannot read: compile from scratch
+                logger.debug("torchdi cache: torch could not load the persisted artifacts of the %s (%s)", self.name, error)
+        before = compile_cache_counts()
+        with artifact_scope():
+            self._warm_up(x, tangents, contexts)
+            after = compile_cache_counts()
+            reused = None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
+            self.loaded_from_cache = loaded and (reused is None or (reused[0] > 0 and reused[1] == 0))
+            if self.loaded_from_cache:
+                return
+            try:
+                saved = torch.compiler.save_cache_artifacts()
+            except Exception as error:
+                logger.debug("torchdi cache: torch could not save the artifacts of the %s (%s)", self.name, error)
+                return
+        if saved is not None:  # None: the compiler keeps no artifacts (aot_eager, eager)
+            store.put("compiled", self.persist_key, saved[0])
+
+    def _warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         self.autocast = _autocast_state()
         self.float_positions = float_positions(contexts)
         self.translate = _needs_translation(contexts)

@@ -1,9 +1,13 @@
-"""The one module that touches private torch internals (dynamo, inductor, functorch, autograd).
+"""The fence of torch's dynamo, inductor, functorch and autograd internals.
 
-Every private access torchdi makes is probed here ONCE, at import, and each has a public path as
-its fallback: when a torch release moves or removes an internal, torchdi gets slower, never
-wrong. Each probe says in a comment which torch versions have it (checked on 2.9, 2.13, 2.14.1).
-When a fast path is off, one warning (logger ``torchdi``) names it, the first time it matters.
+Every such private access torchdi makes is probed here ONCE (at import; those that import
+``torch._dynamo`` on first use, so that ``import torchdi`` does not load dynamo), and each has a
+public path as its fallback: when a torch release moves or removes an internal, torchdi gets
+slower, never wrong. Each probe says in a comment which torch versions have it (checked on 2.9,
+2.13, 2.14.1). When a fast path is off, one warning (logger ``torchdi``) names it, the first time
+it matters. The other fences (same rules): ``engines/_xla_private.py`` (torch-xla),
+``sparsity/_private.py`` (aten's operator schemas), ``_distributed_private.py``
+(``torch.distributed``).
 
 The fast paths, by name (``FAST_PATHS``):
 
@@ -30,6 +34,12 @@ The fast paths, by name (``FAST_PATHS``):
   (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
   knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
   where torch has that argument).
+- ``"as_tensor_handler"``: an entry for ``torch.as_tensor`` in dynamo's table of special
+  handlers (``TorchInGraphFunctionVariable._get_handlers()``), installed only while a torchdi
+  preparation compiles: ``torch.as_tensor(c)`` of a symbolic float is traced as dynamo traces
+  ``torch.tensor(c)`` (``torch._refs.tensor``, the same tensor: a Python scalar is always
+  copied), so a float context stays an input of the program. Fallback: dynamo specializes the
+  float there (one compilation per value, counted and logged, never stale).
 - ``"function_apply"``: ``super(torch.autograd.Function, fn).apply`` with
   ``torch._functorch.utils.unwrap_dead_wrappers``: the C++ apply without
   ``Function.apply``'s Python argument binding (about 70 us less per call). Fallback:
@@ -59,6 +69,23 @@ The fast paths, by name (``FAST_PATHS``):
 - ``"dynamo_errors"``: ``torch._dynamo.exc.BackendCompilerFailed`` and ``UserError``, which
   ``AutoCompile`` turns into messages naming what works. Fallback: the errors surface as torch
   raised them.
+- ``"artifact_scope"``: ``torch.compiler._cache.CacheArtifactManager.with_fresh_cache`` (torch
+  2.7 .. 2.14.1): the Mega-Cache artifacts (``torch.compiler.save_cache_artifacts``) of one
+  persisted preparation, apart from those of the process's other compilations. Fallback: the
+  process's artifacts so far (a larger cache entry, the same programs).
+- ``"compile_cache_counts"``: ``torch._dynamo.utils.counters`` (AOTAutograd and FX graph cache
+  hits and misses), which say whether a compilation reused persisted artifacts. Fallback:
+  ``prep.loaded_from_cache`` says that artifacts were loaded, not whether they were used.
+
+Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
+``torch.autograd.functional.jacobian/hessian(vectorize=True)`` and
+``gradcheck(check_batched_grad=True)`` batch cotangents with torch's legacy vmap
+(``torch._vmap_internals``). ``legacy_unbatch``/``legacy_rebatch`` turn its batched tensors into
+plain ones with the batch as a leading dimension and back (``torch._C._functorch.
+is_legacy_batchedtensor``, ``torch._remove_batch_dim``, ``torch._add_batch_dim``,
+``torch._C._vmapmode_increment_nesting``; torch 2.0 .. 2.14.1); ``outside_legacy_vmap`` runs
+the backend on them outside the legacy vmap mode. Fallback: ``legacy_unbatch``
+returns ``None`` and the caller refuses clearly, naming ``torch.func``'s transforms.
 
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
 when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
@@ -70,6 +97,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import re
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
@@ -84,7 +112,9 @@ __all__ = [
     "fresh_entry_point",
     "release",
     "apply_function",
+    "artifact_scope",
     "cache_entries",
+    "compile_cache_counts",
     "compile_function",
     "compiler_for",
     "compiler_failure_errors",
@@ -98,7 +128,11 @@ __all__ = [
     "functorch_unwrapped",
     "is_compiling",
     "is_functorch_wrapped",
+    "is_legacy_batched",
     "jvp_nests_in_dual_level",
+    "legacy_rebatch",
+    "legacy_unbatch",
+    "outside_legacy_vmap",
     "release_code",
     "set_grad_enabled",
     "transforms_active",
@@ -218,6 +252,19 @@ def _dynamo_errors() -> tuple[type[BaseException], type[BaseException]]:
 # torch 2.0 .. 2.14.1: a compiler's failure, and dynamo's refusal of the function itself.
 _DYNAMO_ERRORS: tuple[type[BaseException], type[BaseException]] | None = _UNPROBED
 
+def _legacy_vmap_api() -> tuple[Callable[[torch.Tensor], bool], Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[[], int], Callable[[], int]]:
+    return (
+        torch._C._functorch.is_legacy_batchedtensor,
+        torch._remove_batch_dim,
+        torch._add_batch_dim,
+        torch._C._vmapmode_increment_nesting,
+        torch._C._vmapmode_decrement_nesting,
+    )
+
+
+# torch 2.0 .. 2.14.1: torch's legacy vmap (torch._vmap_internals), which batched autograd uses.
+_LEGACY_VMAP = _probe(_legacy_vmap_api)
+
 # torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
 _COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
 
@@ -272,10 +319,13 @@ FAST_PATHS: dict[str, str] = {
     "compiler_wrappers": "torch.compile's own compiler wrappers (torch._TorchCompileInductorWrapper)",
     "tensorify_reset": "forgetting dynamo's float specializations between preparations (TensorifyState)",
     "dynamo_config": "torch._dynamo.config knobs",
+    "as_tensor_handler": "tracing torch.as_tensor of a symbolic float as torch.tensor (dynamo's handler table)",
     "function_apply": "the C++ torch.autograd.Function apply without Python argument binding",
     "transforms_active": "asking functorch whether a transform is active",
     "forward_ad_level": "reading forward-mode AD's current level",
     "set_grad_enabled": "switching grad mode without a context-manager object",
+    "artifact_scope": "collecting one preparation's Mega-Cache artifacts apart from the process's others",
+    "compile_cache_counts": "counting AOTAutograd / FX graph cache hits (whether persisted artifacts were used)",
     "functorch_level": "reading functorch's current transform level",
     "functorch_unwrap": "recognising and unwrapping torch.func's wrapper tensors",
     "jvp_nesting": "nesting a backend's torch.func.jvp in the caller's eager dual level",
@@ -441,6 +491,71 @@ def forget_float_specializations() -> None:
         return  # a torch without symbolic floats, or one that moved the record: nothing to forget
     with contextlib.suppress(AttributeError):
         state.clear()
+
+
+def _as_tensor_api() -> tuple[dict[Any, Any], Any, type] | None:
+    """Dynamo's special-handler table, its in-graph function variable and its symbolic-scalar
+    variable (torch 2.4 .. 2.14.1), probed on first use: importing dynamo's variables is slow."""
+    global _AS_TENSOR_API
+    if _AS_TENSOR_API is None:
+
+        def probe() -> tuple[dict[Any, Any], Any, type]:
+            from torch._dynamo.variables.tensor import SymNodeVariable
+            from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+            handlers = TorchInGraphFunctionVariable._get_handlers()
+            if not isinstance(handlers, dict) or not hasattr(torch._refs, "tensor"):
+                raise AttributeError("dynamo's handler table")
+            return handlers, TorchInGraphFunctionVariable, SymNodeVariable
+
+        _AS_TENSOR_API = _probe(probe) or False
+    return _AS_TENSOR_API or None
+
+
+_AS_TENSOR_API: Any = None
+_AS_TENSOR_NAMES = ("data", "dtype", "device")
+
+
+def _handle_as_tensor(variable: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+    """Dynamo's handler for ``torch.as_tensor(data, *, dtype=None, device=None)``: a symbolic scalar
+    ``data`` is traced as ``torch.tensor`` traces it; anything else as dynamo does (``None``)."""
+    api = _as_tensor_api()
+    if api is None or len(args) > 1 or set(kwargs) - set(_AS_TENSOR_NAMES):
+        return None  # (as_tensor takes data alone by position: torch's own error for the rest)
+    _, in_graph_function, symbolic_scalar = api
+    named = dict(zip(_AS_TENSOR_NAMES, args)) | kwargs
+    data = named.pop("data", None)
+    if not isinstance(data, symbolic_scalar):
+        return None
+    # A Python scalar is always copied by as_tensor: the same tensor as torch.tensor(data, ...).
+    return in_graph_function(torch._refs.tensor).call_function(tx, [data], named)
+
+
+@contextlib.contextmanager
+def symbolic_as_tensor() -> Iterator[None]:
+    """While torchdi compiles: ``torch.as_tensor(c)`` of a symbolic float keeps ``c`` symbolic.
+
+    Dynamo traces ``torch.tensor(c)`` of a symbolic float through ``torch._refs.tensor`` (no
+    specialization, then ``translate.keep_float_factories_traced`` keeps ``c`` an input), but
+    runs ``torch.as_tensor(c)`` as is, which specializes ``c``: one compilation per value. The
+    handler is in dynamo's table only inside the block (torchdi's own compilations), and never
+    replaces one torch has.
+    """
+    api = _as_tensor_api()
+    if api is None:
+        warn_off("as_tensor_handler")
+        yield
+        return
+    handlers = api[0]
+    if torch.as_tensor in handlers:  # torch's own handler, or ours from an enclosing compilation
+        yield
+        return
+    handlers[torch.as_tensor] = _handle_as_tensor
+    try:
+        yield
+    finally:
+        if handlers.get(torch.as_tensor) is _handle_as_tensor:
+            del handlers[torch.as_tensor]
 
 
 def is_compiling() -> bool:
@@ -693,7 +808,7 @@ class DynamoCache:
         before = self._transformed_codes()
         self.in_flight = frame_locals
         try:
-            with patched_config(dict(settings)):
+            with patched_config(dict(settings)), symbolic_as_tensor():
                 result = compiled(*args)
         finally:
             self.in_flight = None
@@ -747,3 +862,166 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
         if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
             for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
                 scope[name] = None
+
+
+# -- torch's legacy vmap (is_grads_batched, vectorize=True, check_batched_grad) -----------------
+
+# Levels looked for above the calling thread's legacy vmap nesting: the autograd engine may run a
+# backward on a device thread whose own nesting count is 0.
+_LEGACY_LEVEL_MARGIN = 4
+
+
+# torch 2.0 .. 2.14.1: legacy vmap mode's dispatch key (not a DispatchKey member: parsed by name).
+def _vmap_mode_keys() -> Any:
+    key = torch._C._parse_dispatch_key("VmapMode")
+    if key is None:
+        raise AttributeError("VmapMode")
+    return torch._C.DispatchKeySet(key)
+
+
+_VMAP_MODE_KEYS: Any = _probe(_vmap_mode_keys)
+
+# Legacy vmap's "Batched" key in a dispatch key set's repr (not a DispatchKey member): how a
+# torch without is_legacy_batchedtensor is still refused clearly (``dispatch_keys``).
+_BATCHED_KEY = re.compile(r"[(, ]Batched[,)]")
+
+
+def is_legacy_batched(tensor: Any) -> bool:
+    """Whether ``tensor`` is batched by torch's legacy vmap (``False`` when this torch cannot say)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    api = _LEGACY_VMAP
+    if api is not None:
+        return bool(api[0](tensor))
+    keys = dispatch_keys(tensor)
+    return keys is not None and _BATCHED_KEY.search(keys) is not None
+
+
+def _legacy_nesting() -> int:
+    """The calling thread's legacy vmap nesting, read without changing it."""
+    assert _LEGACY_VMAP is not None
+    current = _LEGACY_VMAP[3]() - 1
+    _LEGACY_VMAP[4]()
+    return current
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave torch's legacy vmap mode for the block, on plain tensors from ``legacy_unbatch``.
+
+    Inside the mode, the dispatcher adds ``VmapMode`` to every tensor's keys (a compiled
+    backend's guards then fail, one recompilation per mode) and refuses random operations; the
+    block computes on plain tensors, so it runs as outside any vmap. The nesting is restored after.
+    """
+    api = _LEGACY_VMAP
+    depth = _legacy_nesting() if api is not None else 0
+    with contextlib.ExitStack() as stack:
+        # The mode's key is also in the thread-local dispatch keys the autograd engine hands its
+        # device threads, whose own nesting count is 0: exclude it as well.
+        if _VMAP_MODE_KEYS is not None:
+            stack.enter_context(torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE_KEYS))
+        if api is not None and depth > 0:
+            for _ in range(depth):
+                api[4]()
+            stack.callback(lambda: [api[3]() for _ in range(depth)])
+        yield
+
+
+def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
+    """Plain tensors for legacy-vmap batched ones: every batch level as one leading dimension.
+
+    Returns ``(plain, levels, size)``: each of ``tensors`` with its batch dimensions (from every
+    level any of them carries, an unbatched one expanded) flattened into one leading dimension of
+    ``size``, and the ``(level, batch size)`` pairs ``legacy_rebatch`` needs. ``None`` when this
+    torch lacks the internals or a batch level could not be found (the caller refuses then).
+    """
+    api = _LEGACY_VMAP
+    if api is None:
+        return None
+    is_batched, remove_batch_dim = api[0], api[1]
+    current = _legacy_nesting()
+    # A level a tensor does not carry expands it by the batch size given: 0 tells "absent" apart
+    # from a present level (whose own size is used, and is never 0 for a batch that has rows).
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        if not is_batched(tensor):
+            continue
+        for level in range(max(current, 0) + _LEGACY_LEVEL_MARGIN, 0, -1):
+            if level in found:
+                continue
+            size = remove_batch_dim(tensor, level, 0, 0).shape[0]
+            if size:
+                found[level] = size
+    levels = tuple(sorted(found.items()))  # outermost (lowest) level first
+    plain = []
+    for tensor in tensors:
+        for level, size in reversed(levels):  # innermost first: each becomes the new leading dim
+            tensor = remove_batch_dim(tensor, level, size, 0)
+        if is_batched(tensor):
+            return None
+        plain.append(tensor.reshape(-1, *tensor.shape[len(levels) :]) if len(levels) != 1 else tensor)
+    total = 1
+    for _, size in levels:
+        total *= size
+    return tuple(plain), levels, total
+
+
+def legacy_rebatch(tensor: torch.Tensor, levels: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The inverse of ``legacy_unbatch`` for one result with the same leading batch dimension."""
+    api = _LEGACY_VMAP
+    assert api is not None
+    add_batch_dim = api[2]
+    if len(levels) != 1:
+        tensor = tensor.reshape(*(size for _, size in levels), *tensor.shape[1:])
+    for level, _ in levels:  # outermost first, as legacy vmap nests
+        tensor = add_batch_dim(tensor, 0, level)
+    return tensor
+
+
+# -- persisted compiled artifacts ("artifact_scope", "compile_cache_counts") ---------------------
+# Lazy probes (_LAZY_PROBES): they import inductor's and dynamo's modules.
+
+
+def _fresh_artifacts() -> Any:
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.with_fresh_cache
+
+
+def _dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+# torch 2.7 .. 2.14.1.
+_FRESH_ARTIFACTS: Any = _UNPROBED
+# torch 2.0 .. 2.14.1 (the cache counters: AOTAutograd's since 2.4, the FX graph cache's since 2.2).
+_COUNTERS: Any = _UNPROBED
+_LAZY_PROBES["_FRESH_ARTIFACTS"] = _fresh_artifacts
+_LAZY_PROBES["_COUNTERS"] = _dynamo_counters
+
+
+def artifact_scope() -> contextlib.AbstractContextManager[None]:
+    """A scope whose compilations' Mega-Cache artifacts ``torch.compiler.save_cache_artifacts``
+    returns alone (the process's earlier ones are set aside and restored after it)."""
+    fresh = _lazy("_FRESH_ARTIFACTS")
+    if fresh is None:
+        warn_off("artifact_scope")
+        return contextlib.nullcontext()
+    return cast("contextlib.AbstractContextManager[None]", fresh())
+
+
+def compile_cache_counts() -> tuple[int, int] | None:
+    """``(hits, misses)`` of AOTAutograd's and inductor's FX graph caches in this process so far,
+    or ``None`` when this torch does not count them."""
+    counters = _lazy("_COUNTERS")
+    if counters is None:
+        warn_off("compile_cache_counts")
+        return None
+    try:
+        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+    except (KeyError, TypeError):
+        return None
+    return int(hits), int(misses)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from torchdi.backends import AutoCompile
 from torchdi.composition import refuse_compiled_double_backward
-from torchdi.engines._compiled import CompiledRunner, traced_view
+from torchdi.engines._compiled import CompiledRunner, compiled_store, program_key, traced_view
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.runners import build_runner, register_engine
 
@@ -29,7 +29,10 @@ class CompileEngine:
     def build(self, family: str, f: Any, spec: Any) -> Any:
         refuse_compiled_double_backward(self.backend, family, spec)
         inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
+        runner = CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
+        if compiled_store(self.backend) is not None:  # persisted preparations (torchdi.cache)
+            runner.persist_key = program_key(family, f, spec, self.backend)
+        return runner
 
     @staticmethod
     def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
