@@ -456,18 +456,45 @@ def test_torch_compile_around_a_prepared_operator_has_no_graph_break():
 # --------------------------------------------------------------------------- preparation with the caller's grad mode
 
 
-@pytest.mark.parametrize("backend", [AutoAutograd()], ids=["autograd"])
+def _input_gradient_norm(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """A gradient-penalty style f: it calls torch.autograd.grad(create_graph=True) itself."""
+    p = points.detach().requires_grad_()
+    (g,) = torch.autograd.grad((p @ w).tanh().sum(), p, create_graph=True)
+    return g.pow(2).sum()
+
+
+def _input_gradient_norm_ref(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    return (((1 - (points @ w).tanh() ** 2)[:, None] * w) ** 2).sum()
+
+
+F_CALLS_AUTOGRAD = {
+    "autograd": AutoAutograd(),
+    "fd": AutoFiniteDiff(),
+    "so_fd_fd": SecondOrder(AutoFiniteDiff(), AutoFiniteDiff()),
+    "sparse_fd": AutoSparse(AutoFiniteDiff()),
+}
+
+
+@pytest.mark.parametrize("backend", list(F_CALLS_AUTOGRAD.values()), ids=list(F_CALLS_AUTOGRAD))
 def test_f_may_call_torch_autograd_itself(backend):
-    # (AutoFiniteDiff's plain path still evaluates f under no_grad: not yet supported there)
-    """A gradient-penalty style f that calls torch.autograd.grad(create_graph=True) prepares and runs."""
-
-    def input_gradient_norm(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-        p = points.detach().requires_grad_()
-        (g,) = torch.autograd.grad((p @ w).tanh().sum(), p, create_graph=True)
-        return g.pow(2).sum()
-
-    w, points = _x(), torch.randn(4, 3, dtype=DT)
-    prep = td.prepare_gradient(input_gradient_norm, backend, w, td.Constant(points))
-    got = td.gradient(input_gradient_norm, backend, w, td.Constant(points), prep=prep)
-    want = grad(lambda w_: (((1 - (points @ w_).tanh() ** 2)[:, None] * w_) ** 2).sum())(w)
+    """A gradient-penalty style f prepares and runs, prepared or not, with or without grad mode;
+    the plain result is a plain tensor (the graph f built for itself is not handed out)."""
+    w, points = _x(), torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(5))
+    want = grad(_input_gradient_norm_ref)(w, points)
+    prep = td.prepare_gradient(_input_gradient_norm, backend, w, td.Constant(points))
+    got = td.gradient(_input_gradient_norm, backend, w, td.Constant(points), prep=prep)
     close(got, want, backend)
+    assert not got.requires_grad
+    with torch.no_grad():
+        close(td.gradient(_input_gradient_norm, backend, w, td.Constant(points)), want, backend)
+    if not isinstance(backend, AutoSparse):
+        hvp_want = jvp(lambda w_: grad(_input_gradient_norm_ref)(w_, points), (w,), (V,))[1]
+        hv = td.hvp(_input_gradient_norm, backend, w, (V,), td.Constant(points))[0]
+        torch.testing.assert_close(hv, hvp_want, rtol=1e-4, atol=1e-4)  # (finite differences of finite differences)
+
+
+def test_f_needs_grad_mode_only_when_it_calls_torch_autograd():
+    """Finite differences keep evaluating an ordinary f under no_grad (no graph built per call)."""
+    assert not td.prepare_gradient(f_scalar, AutoFiniteDiff(), _x(), td.Constant(C)).f_needs_grad
+    prep = td.prepare_gradient(_input_gradient_norm, AutoFiniteDiff(), _x(), td.Constant(torch.randn(4, 3, dtype=DT)))
+    assert prep.f_needs_grad

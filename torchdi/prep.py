@@ -176,6 +176,7 @@ class Prep:
         "backend",
         "call",
         "f",
+        "f_needs_grad",
         "has_aux",
         "keep_static",
         "operator",
@@ -219,6 +220,9 @@ class Prep:
         self.reads_tracked = False
         self.rebuild: Callable[[bool, bool], Callable[..., Any]] | None = None
         self.transparent_runners: dict[tuple[bool, bool], Callable[..., Any]] = {}
+        # f calls torch.autograd itself and its backend evaluates f as it is (rule 10): the plain
+        # call runs with grad mode on and detaches its results. Set by prepare_operator.
+        self.f_needs_grad = False
         # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
         self.has_aux = False
         # A same-point preparation's point (prepare_*_same_point): checked on every call.

@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoSparse, Backend, require_available
+from torchdi.composition import evaluates_f_plainly
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
@@ -175,6 +176,16 @@ def _prepare_operator(
             if note:
                 error.add_note(note)
             raise
+    f_needs_grad = False
+    if probing is not None and evaluates_f_plainly(backend):
+        # Rule 10: f may call torch.autograd itself (a gradient penalty, a PINN residual). This
+        # backend's runners evaluate f as it is, and the plain call runs them under no_grad: one
+        # more evaluation, under no_grad, tells whether f needs grad mode (then the call keeps it on).
+        try:
+            with torch.no_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                bound(x_run, seen)
+        except Exception:
+            f_needs_grad = True
     with_aux, tensor_aux = bound, True
     if has_aux:
         y, aux = split_aux(y, operator)
@@ -261,6 +272,7 @@ def _prepare_operator(
         output_shape,
     )
     prep.has_aux = has_aux
+    prep.f_needs_grad = f_needs_grad
     del probing  # y and the probes are gone: what f made dies with them, what it reads stays
     prep.reads_tracked = any(ref() is not None for ref in reached)
     if spec.x.numel and spec.y.numel:
@@ -383,12 +395,19 @@ def run_operator(
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call
     grad_enabled = torch.is_grad_enabled()
-    set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
+    f_needs_grad = prep.f_needs_grad
+    set_grad_enabled(f_needs_grad)  # torch.no_grad() without its object: ~1 us per call less
     try:
         result = call(x_run, batched, values)
     finally:
         set_grad_enabled(grad_enabled)
+    if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
+        result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _run_traced(
