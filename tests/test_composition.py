@@ -345,6 +345,30 @@ def test_maml_outer_gradient_flows_through_the_inner_step(backend):
     assert not torch.allclose(want, first_order)
 
 
+def test_autofunc_gradient_under_torch_autograd_runs_on_autograds_own_graph():
+    """Under torch.autograd alone AutoFunc's gradient is computed by torch.autograd.grad(create_graph=True)
+    (the outer backward then walks one plain graph, not torch.func's wrappers); under a torch.func
+    transform it stays torch.func's; with has_aux it keeps its own runner. Same derivatives each way."""
+    x = _x().requires_grad_()
+    prep = td.prepare_gradient(f_scalar, AutoFunc(), x.detach(), td.Constant(C))
+    g = td.gradient(f_scalar, AutoFunc(), x, td.Constant(C), prep=prep)
+    (got,) = torch.autograd.grad(g.pow(2).sum(), x)
+    close(got, grad(lambda x_: grad(f_scalar)(x_, C).pow(2).sum())(x.detach()), AutoFunc())
+    assert set(prep.transparent_runners) == {(_transparent.AUTOGRAD, True)}
+    vmap(lambda x_: td.gradient(f_scalar, AutoFunc(), x_, td.Constant(C), prep=prep))(torch.stack([_x(1), _x(2)]))
+    assert (_transparent.AS_IS, True) in prep.transparent_runners
+
+    def with_aux(x_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return f_scalar(x_, C), x_.sum()
+
+    prep_aux = td.prepare_gradient(with_aux, AutoFunc(), x.detach(), has_aux=True)
+    g_aux, aux = td.gradient(with_aux, AutoFunc(), x, prep=prep_aux, has_aux=True)
+    (got_aux,) = torch.autograd.grad(g_aux.pow(2).sum() + aux, x)
+    want_aux = grad(lambda x_: grad(f_scalar)(x_, C).pow(2).sum() + x_.sum())(x.detach())
+    close(got_aux, want_aux, AutoFunc())
+    assert all(key[0] == _transparent.AS_IS for key in prep_aux.transparent_runners)
+
+
 # --------------------------------------------------------------------------- compiled backends: through or refuse
 
 

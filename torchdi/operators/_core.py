@@ -282,11 +282,17 @@ def _prepare_operator(
         safe_backend = _transparent.functorch_safe(backend)
         plain_spec = replace(spec, needs_value=False) if row.drops_value else spec
 
-        def rebuild(safe: bool, lean: bool) -> Runner:
-            # Under dynamo (safe), context tensors enter forward mode as explicit primals: see
-            # Spec.inside_forward_mode and FuncEngine._hvp.
+        def rebuild(variant: str, lean: bool) -> Runner:
+            # Under dynamo and torch.func (functorch_safe), context tensors enter forward mode as
+            # explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp.
             chosen = plain_spec if lean else spec
-            rebuilt = build_runner(safe_backend if safe else backend, family, bound, replace(chosen, inside_forward_mode=True) if safe else chosen)
+            if variant == _transparent.FUNCTORCH_SAFE:
+                rebuilt = build_runner(safe_backend, family, bound, replace(chosen, inside_forward_mode=True))
+            elif variant == _transparent.AUTOGRAD:
+                native = _transparent.autograd_native(backend, family, has_aux)
+                rebuilt = build_runner(native if native is not None else backend, family, bound, chosen)
+            else:
+                rebuilt = build_runner(backend, family, bound, chosen)
             # The same wrapping as the prepared runner: pytree nesting and aux.
             if flattening is not None:
                 rebuilt = flattening.runner(rebuilt)
@@ -456,9 +462,8 @@ def _run_transparent(
     runner = prep.runner
     if prep.rebuild is not None:
         # (under dynamo always rebuilt: see rebuild)
-        safe = torch.compiler.is_compiling() or (_transparent.under_functorch_or_dynamo() and _transparent.needs_functorch_safe(prep.backend))
-        key = (safe, not value and FAMILIES[family].drops_value)
-        if key != (False, False):
+        key = (_transparent.variant(prep.backend, family, prep.has_aux), not value and FAMILIES[family].drops_value)
+        if key != (_transparent.AS_IS, False):
             runner = prep.transparent_runners.get(key)  # type: ignore[assignment]
             if runner is None:
                 runner = prep.transparent_runners[key] = prep.rebuild(*key)

@@ -157,6 +157,41 @@ def functorch_safe(backend: Backend) -> Backend:
     return backend
 
 
+# The runners a call under an outer transform may run (``_core._run_transparent``): the prepared
+# backend's own, the one with torch.func instead of torch.autograd.grad (``functorch_safe``),
+# or the one built on torch.autograd's own graph (``autograd_native``).
+AS_IS, FUNCTORCH_SAFE, AUTOGRAD = "as_is", "functorch_safe", "autograd"
+VARIANTS = (AS_IS, FUNCTORCH_SAFE, AUTOGRAD)
+
+# The families whose AutoFunc runner an outer torch.autograd differentiates faster when they are
+# computed by torch.autograd.grad(create_graph=True): torch.func's grad wraps every tensor f
+# touches and unwraps its results, and outer autograd then walks that wrapped graph (measured,
+# benchmarks/composition.py: a gradient penalty cost 1.6x the torch.autograd step by
+# torch.func.grad, raw or through torch.func, 1.0x by torch.autograd.grad).
+_AUTOGRAD_NATIVE_FAMILIES = frozenset({"gradient"})
+
+
+def autograd_native(backend: Backend, family: str, has_aux: bool) -> Backend | None:
+    """The backend that computes ``backend``'s ``family`` on ``torch.autograd``'s own graph when
+    ``torch.autograd`` alone differentiates the result (no ``torch.func`` transform, no dynamo):
+    ``AutoAutograd()`` for ``AutoFunc()``'s gradient, the same derivative by the system that
+    differentiates it next; ``None`` where the backend's own runner is kept. (``has_aux``: AutoFunc
+    returns aux from its own transform, AutoAutograd would evaluate f once more: kept.)"""
+    if type(backend) is AutoFunc and family in _AUTOGRAD_NATIVE_FAMILIES and not has_aux:
+        return AutoAutograd()
+    return None
+
+
+def variant(backend: Backend, family: str, has_aux: bool) -> str:
+    """Which runner (``VARIANTS``) serves a call of ``backend``'s ``family`` under an outer transform
+    now. A few O(1) checks: it runs on every such call."""
+    if _is_compiling():  # (under dynamo, torch.func: see _core's rebuild)
+        return FUNCTORCH_SAFE
+    if _maybe_current_level() is not None:
+        return FUNCTORCH_SAFE if needs_functorch_safe(backend) else AS_IS
+    return AUTOGRAD if autograd_native(backend, family, has_aux) is not None else AS_IS
+
+
 def needs_functorch_safe(backend: Backend) -> bool:
     """Whether ``backend`` runs ``torch.autograd.grad`` somewhere (see ``functorch_safe``)."""
     return functorch_safe(backend) != backend
