@@ -184,6 +184,7 @@ class Prep:
         "point",
         "reads_tracked",
         "rebuild",
+        "recompute_refusal",
         "runner",
         "strict",
         "transparent_runners",
@@ -224,6 +225,9 @@ class Prep:
         # f calls torch.autograd itself and its backend evaluates f as it is (rule 10): the plain
         # call runs with grad mode on and detaches its results. Set by prepare_operator.
         self.f_needs_grad = False
+        # Why torch.autograd cannot differentiate a compiled result by recomputing it eagerly in
+        # backward (f draws random numbers, a State context), or None. Set by prepare_operator.
+        self.recompute_refusal: str | None = None
         # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
         self.has_aux = False
         # A same-point preparation's point (prepare_*_same_point): checked on every call.
