@@ -184,7 +184,7 @@ def maml(backend: Any) -> dict[str, Callable[[], Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", "--repeats", type=int, default=11, help="interleaved rounds (--repeats: the name update_readme.py passes)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     parser.add_argument("--no-compile", action="store_true", help="skip the AutoCompile PINN step (its compilation takes minutes)")
     parser.add_argument("--threads", type=int, default=1)
