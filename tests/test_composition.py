@@ -515,9 +515,9 @@ def test_compiled_gradient_penalty_maml_and_double_backward():
     assert prep.num_compilations == 1 and prep_w.num_compilations == 1
 
 
-def test_compiled_result_of_a_random_f_refuses_at_backward():
-    """An f that draws random numbers (dropout) cannot be recomputed in backward: backward raises,
-    reading the result still works."""
+def test_compiled_result_that_cannot_be_recomputed_refuses_at_backward():
+    """An f that draws random numbers (dropout) or updates a State cannot be recomputed in
+    backward: backward raises, reading the result still works."""
 
     def noisy(x_: torch.Tensor) -> torch.Tensor:
         return (torch.nn.functional.dropout(x_, 0.5) ** 2).sum()
@@ -528,6 +528,17 @@ def test_compiled_result_of_a_random_f_refuses_at_backward():
     with pytest.raises(td.UnsupportedOperatorError, match="draws random numbers"):
         g.sum().backward()
     assert not td.prepare_gradient(f_scalar, AOT, _x(), td.Constant(C)).recompute_refusal
+
+    def counting(x_: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        counter.add_(1)
+        return (x_ * counter).pow(2).sum()
+
+    counter = torch.zeros((), dtype=DT)
+    g = td.gradient(counting, AOT, x, td.State(counter))
+    assert float(counter) == 1.0  # updated once, by the compiled call
+    with pytest.raises(td.UnsupportedOperatorError, match="State"):
+        g.sum().backward()
+    assert float(counter) == 1.0
 
 
 def test_compiled_backend_reading_a_tracked_closure_refuses_at_once():
