@@ -11,6 +11,7 @@ graphs (``create_graph=True``) instead of detaching.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -81,9 +82,20 @@ def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: l
         create_graph=create_graph,
         retain_graph=retain_graph or create_graph,
         allow_unused=True,
-        materialize_grads=True,
     )
-    return list(grads)
+    return _materialized(grads, inputs)
+
+
+def _materialized(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros for the inputs outside the graph: ``materialize_grads=True`` by hand (that flag costs
+    ~9 us per call, a tenth of a small gradient)."""
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, inputs)]
+
+
+def _grad_mode_on(outer: bool) -> contextlib.AbstractContextManager[Any]:
+    """``torch.enable_grad()``, or nothing when grad mode is already on (under an outer
+    ``torch.autograd``: the context manager costs ~8 us per call)."""
+    return contextlib.nullcontext() if outer else torch.enable_grad()
 
 
 def _maybe_detach(tree: Any, nested: bool) -> Any:
@@ -151,17 +163,17 @@ class AutogradEngine:
     def _gradient(self, f: Any) -> Any:
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             outer = torch.is_grad_enabled()
-            with torch.enable_grad():
+            with _grad_mode_on(outer):
                 x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 if y.requires_grad:  # a 0-d output needs no explicit cotangent
-                    grads = torch.autograd.grad(
-                        y, leaves, None if y.dim() == 0 else torch.ones_like(y),
-                        create_graph=nested, allow_unused=True, materialize_grads=True,
+                    grads = _materialized(
+                        torch.autograd.grad(y, leaves, None if y.dim() == 0 else torch.ones_like(y), create_graph=nested, allow_unused=True),
+                        leaves,
                     )
                 else:
-                    grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
-            return _maybe_detach(y, nested), _like_x(x, list(grads))
+                    grads = [torch.zeros_like(leaf) for leaf in leaves]
+            return _maybe_detach(y, nested), _like_x(x, grads)
 
         return run
 
