@@ -21,10 +21,19 @@ differences are plain arithmetic on ``f``'s values. ``torch.autograd.grad`` cann
 under those transforms an ``AutoAutograd`` (also inside ``SecondOrder``) computes with
 ``torch.func`` instead: the same derivative, by the transform that composes.
 
+Under ``torch.autograd`` alone ``AutoFunc``'s gradient is computed by ``torch.autograd.grad``
+(``autograd_native``): the outer backward then walks one plain graph, not torch.func's wrapped one.
+
 Compiled backends (``AutoCompile``, ``AutoXLA``, ``AutoSparse`` over them, ``SecondOrder`` with a
 compiled member) and ``AutoSparse``'s sparse results cannot be differentiated again nor batched
-by an outer transform: under one they raise ``UnsupportedOperatorError`` at once, naming the
-backends that compose. They never return a result the outer transform would see as a constant.
+by a ``torch.func`` transform or dynamo: under one they raise ``UnsupportedOperatorError`` at
+once, naming the backends that compose. Under ``torch.autograd`` alone an ``AutoCompile`` result
+is the compiled one, connected to the tracked inputs by ``_ThroughEager``, whose backward
+recomputes it with the eager ``inner`` backend and differentiates that (``through_eager``); where
+that cannot be done (``f`` draws random numbers, updates a ``State``, or reads tracked tensors
+from its closure, which a recomputation could not reach; the other compiled backends) the
+backward raises (``backward_refusal``), or the call itself when no input requires grad to connect
+to. They never return a result the outer transform would see as a constant.
 """
 
 from __future__ import annotations
