@@ -8,6 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# No persisted preparations in the suite: a test that counts compilations or detections must not
+# depend on what an earlier run (or the user's own cache) left on disk. Tests of the cache opt in
+# with their own temporary TORCHDI_CACHE_DIR.
+os.environ["TORCHDI_CACHE_DIR"] = ""
+
 pytest_plugins = ["pytester"]  # tests of torchdi.testing run pytest on generated test modules
 
 # Property tests stay small and fast; no deadline (the first torch.func call warms up lazily).

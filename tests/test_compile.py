@@ -356,7 +356,7 @@ def test_aot_eager_passes_every_default_scenario(operator):
 
 
 def test_one_shot_calls_compile_only_the_variant_they_need(monkeypatch):
-    from torchdi.engines import compile as compile_engine
+    from torchdi.engines import _compiled as compile_engine
 
     compiled = []
     original = compile_engine._CountingCompiler.__call__
@@ -375,7 +375,7 @@ def test_one_shot_calls_compile_only_the_variant_they_need(monkeypatch):
 
 
 def test_inductor_layout_optimization_is_off_unless_the_user_turns_it_on(monkeypatch):
-    from torchdi.engines.compile import inductor_options
+    from torchdi.engines._compiled import inductor_options
 
     monkeypatch.delenv("TORCHINDUCTOR_LAYOUT_OPTIMIZATION", raising=False)
     assert inductor_options(None) == {"layout_optimization": False}

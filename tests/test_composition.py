@@ -577,10 +577,8 @@ def test_autograd_is_run_by_torch_func_under_transforms():
 def test_torch_compile_around_operators_has_no_graph_break(backend, family):
     call, reference = FAMILIES[family]
     x = _x()
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(lambda x_: call(backend, x_, C) * 2)(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
+    # fullgraph=True raises at the first graph break, so one compile both checks for breaks and
+    # gives the value (a torch._dynamo.explain first traced everything twice: ~40% of this file).
     torch._dynamo.reset()
     got = torch.compile(lambda x_: call(backend, x_, C) * 2, backend="aot_eager", fullgraph=True)(x)
     close(got, 2 * reference(x, C), backend)

@@ -143,3 +143,18 @@ def test_a_package_init_counts_for_modules_outside_it(tmp_path: Path) -> None:
     graph = import_graph(package)
     assert graph["pkg.sub.x"] == {"pkg.sub.y": 1}
     assert cycles(graph) == [["pkg.low", "pkg.sub"]]
+
+
+def test_import_torchdi_loads_no_heavy_module() -> None:
+    """``import torchdi`` imports torch and torchdi, not dynamo, inductor, sympy, scipy or
+    torch.distributed's FSDP/DTensor (each loads on first use: a compiled preparation, a
+    DataParallel call). Measured in a fresh process."""
+    import subprocess
+    import sys
+
+    heavy = ["torch._dynamo", "torch._inductor", "sympy", "scipy", "torch.distributed.fsdp", "torch.distributed.tensor",
+             "torch.distributed._functional_collectives", "torch_xla", "transformers"]
+    code = f"import sys, torchdi; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"import torchdi loads {done.stdout.strip()}"

@@ -135,30 +135,149 @@ def test_item8_eager_forward_ad(name: str) -> None:
         assert g.num_compilations == compilations
 
 
+# -- item 9: torch's batched autograd (legacy vmap) through DifferentiateWith ---------------------
+
+
+def _coupled(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two outputs coupling neighbours, with a tensor Constant: every cotangent slot is exercised."""
+    return x.sin() * x.roll(1) * c, (x**3).sum(0, keepdim=True)
+
+
+LEGACY_BATCHED_CALLS = {
+    "jacobian-vectorize": lambda g, x: torch.autograd.functional.jacobian(g, x, vectorize=True),
+    "hessian-vectorize": lambda g, x: torch.autograd.functional.hessian(lambda x: sum(y.sum() for y in g(x)), x, vectorize=True),
+    "is_grads_batched": lambda g, x: torch.autograd.grad(
+        g(x), x, (torch.eye(4, dtype=x.dtype), torch.arange(4.0, dtype=x.dtype)[:, None]), is_grads_batched=True
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def legacy_batching_functions() -> dict[str, object]:
+    """One DifferentiateWith per backend, shared by the cases: preparations are made once."""
+    c = torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+
+    def bound(g: td.DifferentiateWith) -> object:
+        return lambda x: g(x, Constant(c))
+
+    functions = {name: bound(td.DifferentiateWith(_coupled, backend)) for name, backend in DW_BACKENDS.items()}
+    return functions | {"torch": lambda x: _coupled(x, c)}
+
+
+# (compiled: is_grads_batched only, the vectorize=True calls reach the same backward and cost compilations)
 @pytest.mark.parametrize(
-    "call",
-    [
-        lambda g, x: torch.autograd.functional.jacobian(g, x, vectorize=True),
-        lambda g, x: torch.autograd.functional.hessian(lambda x: g(x).sum(), x, vectorize=True),
-        lambda g, x: torch.autograd.grad(g(x), x, torch.eye(3, dtype=x.dtype), is_grads_batched=True),
-    ],
-    ids=["jacobian-vectorize", "hessian-vectorize", "is_grads_batched"],
+    ("name", "call"),
+    [(name, call) for name in DW_BACKENDS for call in LEGACY_BATCHED_CALLS if name != "compile" or call == "is_grads_batched"],
 )
-def test_item9_legacy_batching_is_refused_clearly(call: object) -> None:
+def test_item9_legacy_batching_works(name: str, call: str, legacy_batching_functions: dict[str, object]) -> None:
+    """vectorize=True / is_grads_batched=True batch the cotangents with torch's legacy vmap: they
+    reach the backend as one call with several tangents, and the results equal plain torch's."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    run = LEGACY_BATCHED_CALLS[call]
+    mine, expected = run(legacy_batching_functions[name], x), run(legacy_batching_functions["torch"], x)
+    torch.testing.assert_close(mine, expected, **_tolerance(name))
+
+
+@pytest.mark.parametrize("name", ["autograd", "func", "finitediff"])
+def test_item9_gradcheck_batched_grad(name: str) -> None:
+    g = td.DifferentiateWith(lambda x: x.sin() * x.roll(1), DW_BACKENDS[name])
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(g, (x,), check_batched_grad=True)
+    if name != "finitediff":  # second order: batched cotangents of the pullback (HVPs and pushforwards)
+        assert torch.autograd.gradgradcheck(g, (x,), check_batched_grad=True)
+
+
+def test_item9_batched_cotangents_of_pushforwards_and_create_graph() -> None:
+    """The pushforward's backward and a batched double backward see legacy-batched cotangents too."""
+    f = lambda x: x.sin() * x.roll(1)  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, dtype=torch.float64)
+    eye = torch.eye(4, dtype=torch.float64)
+
+    def forward_then_batched(h: object) -> torch.Tensor:
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(h(fwAD.make_dual(x, v))).tangent  # type: ignore[operator]
+        return torch.autograd.grad(tangent, x, eye, is_grads_batched=True)[0]
+
+    def batched_then_backward(h: object) -> torch.Tensor:
+        rows = torch.autograd.grad(h(x), x, eye, is_grads_batched=True, create_graph=True)[0]  # type: ignore[operator]
+        return torch.autograd.grad((rows**2).sum(), x)[0]
+
+    for check in (forward_then_batched, batched_then_backward):
+        torch.testing.assert_close(check(g), check(f))
+
+
+def test_item9_compiled_backend_runs_outside_legacy_vmap_mode() -> None:
+    """The batch of cotangents is one compiled pullback with 4 tangents, the same preparation
+    ``jacrev`` uses: called outside legacy vmap mode, it does not recompile between the two."""
+    g = td.DifferentiateWith(lambda x: x.sin() * x.roll(1), COMPILED)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    eye = torch.eye(4, dtype=torch.float64)
+    expected = torch.func.jacrev(lambda x: x.sin() * x.roll(1))(x.detach())
+    torch.testing.assert_close(torch.autograd.grad(g(x), x, eye, is_grads_batched=True)[0], expected)
+    compilations = g.num_compilations
+    torch.testing.assert_close(torch.func.jacrev(g)(x.detach()), expected)
+    torch.testing.assert_close(torch.autograd.grad(g(x), x, eye, is_grads_batched=True)[0], expected)
+    assert (g.num_compilations, g.num_preparations) == (compilations, 1)
+
+
+@pytest.mark.parametrize("thread", ["caller", "device"])
+def test_item9_backend_runs_outside_legacy_vmap_mode(thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """f may use random operations (legacy vmap mode refuses them), on the calling thread and on
+    an autograd device thread, which gets the mode's dispatch key but not its nesting count."""
+    from torchdi.engines import _dynamo
+
+    if thread == "device":
+        monkeypatch.setattr(_dynamo, "_legacy_nesting", lambda: 0)
+    f = lambda x: x.sin() + 0.0 * torch.randn(())  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    rows = torch.autograd.grad(g(x), x, torch.eye(3, dtype=x.dtype), is_grads_batched=True)[0]
+    torch.testing.assert_close(rows, torch.diag(x.detach().cos()))
+
+
+def test_item9_nested_legacy_vmap() -> None:
+    from torch._vmap_internals import _vmap
+
+    f = lambda x: x.sin() * x.roll(1)  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(2, 3, 4, dtype=torch.float64)
+
+    def rows(h: object) -> torch.Tensor:
+        return _vmap(_vmap(lambda u: torch.autograd.grad(h(x), x, u, retain_graph=True)[0]))(u)  # type: ignore[operator]
+
+    torch.testing.assert_close(rows(g), rows(f))
+
+
+def test_item9_without_legacy_vmap_internals_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without the legacy vmap internals torchdi uses, a clear refusal, never torch's
+    "Batching rule not implemented" or a wrong result."""
+    from torchdi.engines import _dynamo
+
+    monkeypatch.setattr(_dynamo, "_LEGACY_VMAP", None)
     g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     with pytest.raises(UnsupportedOperatorError, match=r"legacy vmap.*torch\.func\.jacrev/jacfwd/vmap"):
-        call(g, x)  # type: ignore[operator]
-    # what the message names works
-    torch.testing.assert_close(torch.func.jacrev(g)(x.detach()), torch.diag(x.detach().cos()))
+        torch.autograd.functional.jacobian(g, x, vectorize=True)
     torch.testing.assert_close(torch.autograd.functional.jacobian(g, x), torch.diag(x.detach().cos()))
 
 
-def test_item9_gradcheck_batched_grad_is_refused_clearly() -> None:
-    g = td.DifferentiateWith(lambda x: x.sin(), AutoFunc())
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(Exception, match=r"legacy vmap"):
-        torch.autograd.gradcheck(g, (x,), check_batched_grad=True)
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
+def test_item9_legacy_batch_over_torch_func_batches(transform: str) -> None:
+    """jacrev's / jacfwd's batch of pullbacks / pushforwards, then a legacy batch over their
+    cotangents: one backend call for both batches, plain torch's result."""
+    f = lambda x: x.sin() * x.roll(1) + x.sum() ** 2  # noqa: E731
+    g = td.DifferentiateWith(f, AutoFunc())
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 4, dtype=torch.float64)
+    jacobian = getattr(torch.func, transform)
+
+    def rows(h: object) -> torch.Tensor:
+        return torch.autograd.grad(jacobian(h)(x), x, w, is_grads_batched=True)[0]
+
+    torch.testing.assert_close(rows(g), rows(f))
 
 
 @pytest.mark.parametrize("name", ["func", "compile"])
@@ -209,6 +328,9 @@ FLOAT_FACTORIES = {
     "scalar_tensor": lambda x, c: x * torch.scalar_tensor(c, dtype=x.dtype),
     "full": lambda x, c: x * torch.full((3,), c),
     "full_like": lambda x, c: x * torch.full_like(x, c),
+    "as_tensor": lambda x, c: x * torch.as_tensor(c),
+    "as_tensor-dtype": lambda x, c: x * torch.as_tensor(c, dtype=x.dtype),
+    "as_tensor-keywords": lambda x, c: x * torch.as_tensor(data=1 - c, dtype=torch.float64, device=x.device),
 }
 
 
@@ -243,6 +365,36 @@ def test_item11_float_made_into_a_tensor_does_not_recompile_inductor() -> None:
         torch.testing.assert_close(value, f(x, c))
         torch.testing.assert_close(grad, torch.full_like(x, c))
     assert prep.num_compilations == compilations
+
+
+def test_item11_as_tensor_of_other_data_is_unchanged() -> None:
+    """torch.as_tensor of a tensor (shared, not copied), of a list with the float, and a float
+    context used in Python control flow (which must specialize) trace as before."""
+
+    def f(x: torch.Tensor, c: float) -> torch.Tensor:
+        same = torch.as_tensor(x)
+        listed = torch.as_tensor([c, 2.0], dtype=x.dtype)
+        return (same * listed[0] + listed[1] * x).sum() * (2.0 if c > 0 else -1.0)
+
+    x = torch.tensor([1.0, -2.0, 0.5])
+    prep = td.prepare_gradient(f, COMPILED, x, Constant(0.5))
+    for c in (0.5, -0.25):
+        torch.testing.assert_close(
+            td.value_and_gradient(f, COMPILED, x, Constant(c), prep=prep), td.value_and_gradient(f, AutoAutograd(), x, Constant(c))
+        )
+
+
+def test_item11_as_tensor_handler_is_only_installed_while_torchdi_compiles() -> None:
+    """The handler lives in dynamo's table only during torchdi's own compilations: a user's
+    torch.compile elsewhere traces torch.as_tensor exactly as torch does."""
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    handlers = TorchInGraphFunctionVariable._get_handlers()
+    had = torch.as_tensor in handlers
+    f = lambda x, c: (x * torch.as_tensor(c)).sum()  # noqa: E731
+    prep = td.prepare_gradient(f, COMPILED, torch.ones(3), Constant(0.5))
+    td.gradient(f, COMPILED, torch.ones(3), Constant(1.5), prep=prep)
+    assert (torch.as_tensor in handlers) == had
 
 
 # -- item 16: the translation note on the one-shot path ---------------------------------------------

@@ -116,6 +116,26 @@ def test_item01_a_pattern_missing_nonzeros_is_caught_at_preparation(monkeypatch,
     assert prep.sparsity_pattern.to_dense().all()
 
 
+@pytest.mark.parametrize(("forward_cost", "family"), [(0, "pushforward"), (100, "pullback")])
+def test_item01_the_check_catches_missing_nonzeros_in_either_direction(monkeypatch, forward_cost, family):
+    # The check runs in the cheaper direction; both directions must see what the pattern lacks.
+    import torchdi.engines.sparse_check as sparse_check
+
+    def wide_band(f, x, contexts, hessian=False):  # torch.diff's pattern without its superdiagonal
+        return TracerResult(IndexSets.from_pairs(np.arange(5), np.arange(5), 5, 6))
+
+    used = []
+    probe = sparse_check._probe
+    monkeypatch.setattr(sparse_check, "_FORWARD_COST", forward_cost)
+    monkeypatch.setattr(sparse_check, "_probe", lambda pattern, backend, fam, *rest: used.append(fam) or probe(pattern, backend, fam, *rest))
+    monkeypatch.setattr(sparse_engine, "trace_sparsity", wide_band)
+    with pytest.warns(UserWarning, match=r"(?s)TracerSparsity: the traced jacobian pattern misses non-zeros"):
+        prep = td.prepare_jacobian(torch.diff, td.AutoSparse(td.AutoFunc()), torch.randn(6, dtype=torch.float64))
+    assert used == [family]
+    x = torch.randn(6, dtype=torch.float64)
+    torch.testing.assert_close(td.jacobian(torch.diff, td.AutoSparse(td.AutoFunc()), x, prep=prep).to_dense(), torch.func.jacrev(torch.diff)(x))
+
+
 @NO_FALLBACK
 @pytest.mark.parametrize("name", ["func", "finitediff"])
 @pytest.mark.parametrize(

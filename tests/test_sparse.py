@@ -740,3 +740,111 @@ def test_rule_2_on_compiled_sparse_both_variants(family):
             g = g.to_dense() if isinstance(g, torch.Tensor) and g.layout == torch.sparse_csr else g
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
         assert prep.num_compilations == before, name
+
+
+def test_substitution_with_postprocessing_or_bidirectional_is_refused_clearly():
+    # Neither combination is implemented: an error naming what works, never the option silently dropped.
+    with pytest.raises(ValueError, match=r"postprocessing=True works with decompression='direct'.*GreedyColoring\(decompression='substitution'\)"):
+        torchdi.GreedyColoring(postprocessing=True, decompression="substitution")
+    mixed = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc())
+    backend = torchdi.AutoSparse(mixed, coloring=torchdi.GreedyColoring(decompression="substitution"))
+    with pytest.raises(ValueError, match=r"bidirectional colouring \(MixedMode jacobians\).*GreedyColoring\(decompression='direct'\)"):
+        torchdi.prepare_jacobian(arrow, backend, torch.rand(20, dtype=torch.float64))
+    # The same backend's hessians keep substitution; one-sided jacobians are read directly.
+    x = torch.rand(8, dtype=torch.float64) + 0.5
+    prep = torchdi.prepare_hessian(chained_rosenbrock, backend, x)
+    assert prep.sparse_mode == "substitution"
+    assert torch.allclose(torchdi.hessian(chained_rosenbrock, backend, x, prep=prep).to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
+    one_sided = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(decompression="substitution"))
+    assert torch.allclose(torchdi.jacobian(arrow, one_sided, x).to_dense(), dense_jacobian(arrow, x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Colourings as data: prep.known_coloring, KnownColoring, coloring=
+
+
+def _round_trips(known):
+    """The colouring after pickle and after torch.save/torch.load(weights_only=True) of to_dict()."""
+    import io
+    import pickle
+
+    buffer = io.BytesIO()
+    torch.save(known.to_dict(), buffer)
+    buffer.seek(0)
+    return pickle.loads(pickle.dumps(known)), torchdi.KnownColoring.from_dict(torch.load(buffer, weights_only=True))
+
+
+def wide(x):  # 3 rows, 12 columns, each row dense: reverse mode (3 colours) beats forward (12)
+    return torch.stack([x.sum(), (x**2).sum(), x.sin().sum()])
+
+
+@pytest.mark.parametrize(
+    ("operator", "f", "dense", "coloring", "n", "mode"),
+    [
+        ("jacobian", diff_square, torchdi.AutoFunc(), torchdi.GreedyColoring(), 9, "forward"),
+        ("jacobian", wide, torchdi.AutoFunc(), torchdi.GreedyColoring(), 12, "reverse"),
+        ("jacobian", arrow, torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc()), torchdi.GreedyColoring(), 30, "mixed"),
+        ("hessian", chained_rosenbrock, torchdi.AutoFunc(), torchdi.GreedyColoring(), 10, "star"),
+        ("hessian", chained_rosenbrock, torchdi.AutoFunc(), torchdi.GreedyColoring(decompression="substitution"), 10, "substitution"),
+    ],
+)
+def test_known_coloring_round_trips_and_skips_detection(operator, f, dense, coloring, n, mode, monkeypatch):
+    x = torch.rand(n, dtype=torch.float64) + 0.5
+    prepare = torchdi.prepare_jacobian if operator == "jacobian" else torchdi.prepare_hessian
+    call = torchdi.jacobian if operator == "jacobian" else torchdi.hessian
+    prep = prepare(f, torchdi.AutoSparse(dense, coloring=coloring), x)
+    known = prep.known_coloring
+    assert prep.sparse_mode == known.mode == mode and known.ncolors == prep.ncolors
+    for copy in _round_trips(known):
+        assert copy == known and hash(copy) == hash(known)
+    pickled, loaded = _round_trips(known)
+    # No detection and no colouring: the tracer is never called.
+    monkeypatch.setattr("torchdi.engines.sparse.trace_sparsity", lambda *a, **k: pytest.fail("traced"))
+    backend = torchdi.AutoSparse(dense, coloring=loaded)
+    again = prepare(f, backend, x)
+    assert (again.sparse_mode, again.ncolors) == (mode, prep.ncolors)
+    assert again.known_coloring is loaded
+    assert torch.equal(again.sparsity_pattern.to_dense(), prep.sparsity_pattern.to_dense())
+    colors = again.colors if isinstance(again.colors, tuple) else (again.colors,)
+    expected = prep.colors if isinstance(prep.colors, tuple) else (prep.colors,)
+    assert all(torch.equal(a, b) for a, b in zip(colors, expected))
+    want = dense_jacobian(f, x) if operator == "jacobian" else torch.autograd.functional.hessian(f, x)
+    assert torch.allclose(call(f, backend, x, prep=again).to_dense(), want.reshape(-1, n))
+    assert torchdi.AutoSparse(dense, coloring=pickled) == backend  # equal backends: one engine
+
+
+def test_known_coloring_serves_f_the_tracer_cannot_trace():
+    def f(x):  # data-dependent control flow: TracerSparsity refuses it
+        return x[1:] * x[:-1] if x.sum() > 0 else x[1:]
+
+    x = torch.rand(6, dtype=torch.float64)
+    prep = torchdi.prepare_jacobian(f, torchdi.AutoSparse(torchdi.AutoFunc(), sparsity=torchdi.DenseSparsity()), x)
+    backend = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=prep.known_coloring)  # default TracerSparsity, unused
+    assert torch.allclose(torchdi.jacobian(f, backend, x).to_dense(), dense_jacobian(f, x))
+
+
+def test_known_coloring_errors_name_what_works():
+    x = torch.rand(9, dtype=torch.float64)
+    known = torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc()), x).known_coloring
+    with pytest.raises(ValueError, match=r"for a 8 x 9 matrix, but this jacobian is 9 x 10"):
+        torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc(), coloring=known), torch.rand(10))
+    with pytest.raises(ValueError, match=r"mode='forward'\) cannot serve a hessian.*'star' or 'substitution'"):
+        torchdi.prepare_hessian(chained_rosenbrock, torchdi.AutoSparse(torchdi.AutoFunc(), coloring=known), torch.rand(9))
+    # Adjacent columns share a row: one colour cannot hold both.
+    bad = torchdi.KnownColoring(known.sets, np.zeros(9, dtype=np.int64), "forward")
+    with pytest.raises(ValueError, match="cannot recover every entry of its pattern"):
+        torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc(), coloring=bad), x)
+    star = torchdi.prepare_hessian(chained_rosenbrock, torchdi.AutoSparse(torchdi.AutoFunc()), x).known_coloring
+    with pytest.raises(ValueError, match="cannot recover every entry"):
+        torchdi.prepare_hessian(chained_rosenbrock, torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.KnownColoring(star.sets, np.arange(9) % 2, "star")), x)
+    mixed = torchdi.KnownColoring(known.sets, (known.colors[0], np.full(8, -1)), "mixed")
+    with pytest.raises(ValueError, match="mode 'mixed' needs a MixedMode"):
+        torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc(), coloring=mixed), x)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        torchdi.KnownColoring(known.sets, known.colors[0], "columns")
+    with pytest.raises(ValueError, match=r"colors must be 9 integers >= -1 \(one per column\)"):
+        torchdi.KnownColoring(known.sets, np.zeros(8, dtype=np.int64), "forward")
+    with pytest.raises(ValueError, match=r"not a KnownColoring\.to_dict"):
+        torchdi.KnownColoring.from_dict({"shape": [8, 9]})
+    with pytest.raises(TypeError, match="coloring must be GreedyColoring"):
+        torchdi.AutoSparse(torchdi.AutoFunc(), coloring="star")

@@ -58,7 +58,13 @@ from torchdi.operators import (
     value_gradient_and_hessian,
 )
 from torchdi.prep import Prep, PreparationMismatchError
-from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
+from torchdi.sparsity import (
+    DenseSparsity,
+    GreedyColoring,
+    KnownColoring,
+    KnownSparsity,
+    TracerSparsity,
+)
 from torchdi.translate import Static, copyfrom, copyto_, to_device_tensor
 
 __version__ = "0.1.0"
@@ -76,6 +82,7 @@ __all__ = [
     "DenseSparsity",
     "DifferentiateWith",
     "GreedyColoring",
+    "KnownColoring",
     "KnownSparsity",
     "MixedMode",
     "Prep",

@@ -2,6 +2,7 @@
 
     python -m torchdi bench [--quick] [--backends autograd,func,compile,...] [--markdown FILE] [--plot FILE.png]
     python -m torchdi check [--backends ...] [--operators ...] [--full]
+    python -m torchdi cache {info,clear}
 
 Progress goes to stderr, tables to stdout. Exit status: 0 when every row is correct, 1 when
 some result is wrong (or a backend raised), 2 on a usage error (unknown backend or operator,
@@ -22,6 +23,7 @@ from typing import Any
 
 import torchdi
 from torchdi.backends import unavailable_reason
+from torchdi.cache import store_for
 from torchdi.runners import engine_for
 from torchdi.testing import OPERATORS, benchmark_scenarios, default_scenarios
 from torchdi.testing.benchmark import benchmark_differentiation, format_markdown, format_table, plot
@@ -310,6 +312,29 @@ def format_matrix(operators: Sequence[str], backends: Sequence[str], cells: dict
 
 
 # --------------------------------------------------------------------------------------------
+# cache
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """``cache info``: where the persisted preparations live and how much they hold; ``cache
+    clear``: remove them."""
+    store = store_for()
+    if store is None:
+        print("torchdi cache: off (TORCHDI_CACHE_DIR is set to the empty string)")
+        return 0
+    if args.action == "clear":
+        removed = store.clear()
+        print(f"torchdi cache: removed {removed} entr{'y' if removed == 1 else 'ies'} from {store.directory}")
+        return 0
+    info = store.info()
+    kinds = ", ".join(f"{kind}: {count}" for kind, count in sorted(info.by_kind.items())) or "none"
+    print(f"directory: {info.directory}")
+    print(f"entries:   {info.entries} ({kinds})")
+    print(f"size:      {info.bytes / 2**20:.1f} MiB of {info.max_bytes / 2**20:.0f} MiB (TORCHDI_CACHE_MAX_BYTES)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # entry point
 
 
@@ -319,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="torchdi: one differentiation interface for PyTorch. Benchmark and check the backends here.",
         epilog=f"backends: {', '.join(BACKENDS)} (default: every available one)",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{bench,check}")
+    commands = parser.add_subparsers(dest="command", metavar="{bench,check,cache}")
     bench = commands.add_parser(
         "bench",
         help="time every backend on the benchmark scenarios, against eager autograd",
@@ -331,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--operators", action="append", metavar="NAMES", help="keep only scenarios of these operators")
     bench.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart (needs matplotlib: the bench extra)")
-    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead", "sparse", "xla-overhead", "training"],
+    bench.add_argument("--suite", choices=["differentiation", "compile-overhead", "raw-overhead", "sparse", "xla-overhead", "training", "cold-start"],
                        default="differentiation",
-                       help="compile-overhead / raw-overhead / sparse / xla-overhead / training run benchmarks/<name>.py "
+                       help="compile-overhead / raw-overhead / sparse / xla-overhead / training / cold-start run benchmarks/<name>.py "
                        "(source checkout; xla-overhead in .venv-xla)")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     bench.add_argument("--scenarios", action="append", help=argparse.SUPPRESS)
@@ -352,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--operators", action="append", metavar="NAMES", help="check only these operators")
     check.add_argument("--full", action="store_true", help="all default scenarios for compiled backends too (slow: one compilation each)")
+    cache = commands.add_parser(
+        "cache",
+        help="show or clear the persisted preparations (TORCHDI_CACHE_DIR)",
+        description="The on-disk cache of preparations (sparsity patterns, colourings, compiled artifacts): "
+        "TORCHDI_CACHE_DIR, else $XDG_CACHE_HOME/torchdi (~/.cache/torchdi); TORCHDI_CACHE_DIR= turns it off.",
+    )
+    cache.add_argument("action", choices=["info", "clear"], help="info: directory, entries, size; clear: remove every entry")
     return parser
 
 
@@ -366,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "cache":
+            return run_cache(args)
         return run_check(args)
     except UsageError as error:
         _err(f"python -m torchdi {args.command}: error: {error}")

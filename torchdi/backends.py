@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -14,7 +15,13 @@ from typing import Any, Literal
 import torch
 
 from torchdi.errors import BackendUnavailableError
-from torchdi.sparsity import DenseSparsity, GreedyColoring, KnownSparsity, TracerSparsity
+from torchdi.sparsity import (
+    DenseSparsity,
+    GreedyColoring,
+    KnownColoring,
+    KnownSparsity,
+    TracerSparsity,
+)
 
 __all__ = [
     "AutoAutograd",
@@ -80,7 +87,15 @@ class AutoCompile:
         dynamic: ``torch.compile``'s ``dynamic=``.
         compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
         options: inductor options (a mapping), as ``torch.compile(options=...)``. Over torchdi's
-            one default: ``{"layout_optimization": False}`` (see ``engines.compile.inductor_options``).
+            one default: ``{"layout_optimization": False}`` (see ``engines._compiled.inductor_options``).
+        cache_dir: persist the compiled artifacts of each preparation (torch's Mega-Cache:
+            AOTAutograd's and inductor's FX graph caches) in this directory, and load them when a
+            later preparation (this process or another) compiles the same program. ``None``:
+            ``TORCHDI_CACHE_DIR`` when it is set, else no persistence (opt-in, see the README);
+            ``""``: never. Dynamo traces ``f`` again on every preparation and builds its guards
+            from that trace, so a changed global, closure cell or helper function compiles anew:
+            a loaded program is never stale. ``prep.loaded_from_cache`` says whether this
+            preparation's compilation reused persisted artifacts.
     """
 
     inner: Backend = field(default_factory=lambda: AutoFunc())
@@ -89,6 +104,7 @@ class AutoCompile:
     dynamic: bool | None = None
     compiler: str = "inductor"
     options: Mapping[str, Any] | None = field(default=None, hash=False)
+    cache_dir: str | os.PathLike[str] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, (AutoAutograd, AutoFunc, SecondOrder)):
@@ -100,6 +116,8 @@ class AutoCompile:
             raise ValueError("AutoCompile: pass either mode= or options=, not both (torch.compile rule)")
         if not isinstance(self.compiler, str):
             raise TypeError(f"AutoCompile: compiler must be a backend name (str), got {self.compiler!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"AutoCompile: cache_dir must be a directory (str or path), \"\" or None, got {self.cache_dir!r}")
 
     def __hash__(self) -> int:
         options = tuple(sorted(self.options.items())) if self.options else None
@@ -222,13 +240,25 @@ class AutoSparse:
             reverse)`` for bidirectional colouring of jacobians.
         sparsity: ``TracerSparsity()`` (global, from ``f``'s graph), ``DenseSparsity()`` (local, at
             the preparation point) or ``KnownSparsity(pattern)``.
-        coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``.
+        coloring: ``GreedyColoring(order=..., postprocessing=..., decompression=...)``, or a
+            ``KnownColoring`` (``prep.known_coloring`` of an earlier preparation of the same ``f``:
+            its pattern and colours are used as they are, with no detection and no colouring).
 
     The prep exposes ``sparsity_pattern`` (a boolean sparse CSR tensor), ``ncolors`` (the number
     of compressed passes), ``colors`` (``"mixed"``: a pair, column colours then row colours, ``-1``
     for a column or row in no pass), ``groups`` (the indices of each colour, forward ones first),
-    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``)
-    and ``sparsity_fallbacks`` (ops the tracer had no rule for).
+    ``sparse_mode`` (``"forward"``, ``"reverse"``, ``"mixed"``, ``"star"`` or ``"substitution"``),
+    ``sparsity_fallbacks`` (ops the tracer had no rule for), ``loaded_from_cache`` and
+    ``known_coloring`` (the pattern and colouring as a picklable ``KnownColoring``, to pass back
+    as ``coloring=``).
+
+    Detection and colouring persist in ``torchdi.cache`` (``TORCHDI_CACHE_DIR``, on by default
+    under the user's cache directory; ``""`` turns it off): a ``TracerSparsity`` pattern is keyed
+    by ``f`` and everything it reads (code, globals, closure cells, helper functions, tensor
+    values; ``torchdi.fingerprint``) with the layouts of ``x``, ``y`` and the contexts, and a
+    loaded pattern passes the same check against ``f``'s own derivative as a fresh one (else it is
+    traced again); a colouring is keyed by the pattern and the colouring settings. A
+    ``KnownColoring`` is used as given (nothing is read from or written to the cache).
 
     Example::
 
@@ -255,8 +285,10 @@ class AutoSparse:
                 "AutoSparse: sparsity must be TracerSparsity(), DenseSparsity(...) or KnownSparsity(pattern), "
                 f"got {self.sparsity!r}"
             )
-        if not isinstance(self.coloring, GreedyColoring):
-            raise TypeError(f"AutoSparse: coloring must be GreedyColoring(...), got {self.coloring!r}")
+        if not isinstance(self.coloring, (GreedyColoring, KnownColoring)):
+            raise TypeError(
+                f"AutoSparse: coloring must be GreedyColoring(...) or a KnownColoring (prep.known_coloring), got {self.coloring!r}"
+            )
 
 
 @dataclass(frozen=True)

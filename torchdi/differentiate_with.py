@@ -18,6 +18,9 @@ so second-order derivatives (``torch.func.hessian``, ``torchdi.hvp`` with an out
 backward) come from ``backend``'s HVPs. Every Function has a ``vmap`` rule, so ``torch.func.vmap``,
 ``jacrev`` and ``jacfwd`` compose with it: batched tangents (a jacobian's basis) go to the backend as
 one call with several tangents; a batched ``x`` is looped over, since ``f`` may be a black box.
+torch's own batched autograd (``is_grads_batched=True``, ``vectorize=True``,
+``check_batched_grad=True``: its legacy vmap) reaches the backends the same way: its batched
+cotangents are unbatched into one call with several tangents (``_legacy_batch``).
 
 The primal value is ``f``'s eager call (as in DI); the derivatives run ``prepare_*`` results kept in
 a small cache keyed by argument signatures (never values), so a training loop prepares (and compiles,
@@ -26,22 +29,26 @@ on compiled backends) once per signature.
 
 from __future__ import annotations
 
-import contextlib
-import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-
-# (relcompile's JVP_NESTING count: a private functorch module, not fenced in engines/_dynamo.py yet)
-import torch._functorch.eager_transforms as functorch_transforms
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, State, bind_contexts, context_kinds, unwrap_contexts
-from torchdi.engines._dynamo import apply_function, forward_ad_level, transforms_active
+from torchdi.engines._dynamo import (
+    apply_function,
+    forward_ad_level,
+    is_legacy_batched,
+    jvp_nests_in_dual_level,
+    legacy_rebatch,
+    legacy_unbatch,
+    outside_legacy_vmap,
+    transforms_active,
+)
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.operators import (
     hvp,
@@ -213,25 +220,9 @@ def _refuse_state(contexts: tuple[Any, ...], backend: Backend) -> None:
             )
 
 
-@contextlib.contextmanager
-def _backend_jvp_nests() -> Iterator[None]:
-    """Let the backend's ``torch.func.jvp`` run inside the user's eager dual level.
-
-    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
-    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
-    tangents apart by functorch's own levels. Under eager forward AD (``fwAD.dual_level``) the
-    level is the user's: count it as an outer jvp, so that the backend's jvp (``AutoFunc``,
-    ``AutoCompile`` over it) nests in it as under ``torch.func.jvp``, instead of failing with
-    "Nested forward mode AD is not supported".
-    """
-    if forward_ad_level() < 0 or getattr(functorch_transforms, "JVP_NESTING", None) != 0:
-        yield
-        return
-    functorch_transforms.JVP_NESTING += 1
-    try:
-        yield
-    finally:
-        functorch_transforms.JVP_NESTING -= 1
+# Let the backend's torch.func.jvp (AutoFunc, AutoCompile over it) run inside the user's eager
+# dual level (fwAD.dual_level), as it nests under torch.func.jvp (see the fence's docstring).
+_backend_jvp_nests = jvp_nests_in_dual_level
 
 
 _PREPARE: dict[str, Callable[..., Prep]] = {
@@ -395,30 +386,64 @@ def _zeros_for_missing(ctx: Any, grads: tuple[Any, ...]) -> tuple[torch.Tensor, 
     )
 
 
-def _legacy_batched(tensor: Any) -> bool:
-    """Whether ``tensor`` is batched by torch's legacy vmap (``torch._vmap_internals``), which
-    ``torch.autograd.functional.jacobian(vectorize=True)``, ``autograd.grad(is_grads_batched=True)``
-    and ``gradcheck(check_batched_grad=True)`` use (``torch.func.vmap``'s is ``FuncTorchBatched``).
-    Its dispatch key is not exposed as a ``DispatchKey`` member: read from the key set's repr (a
-    torch that prints it otherwise only loses the clear message, torch's own error remains)."""
-    keys = getattr(torch._C, "_dispatch_keys", None)
-    return isinstance(tensor, torch.Tensor) and keys is not None and _LEGACY_BATCHED.search(repr(keys(tensor))) is not None
+def _legacy_batch(
+    layout: _Layout, fixed: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
+    """Cotangents batched by torch's legacy vmap, as plain tensors with the batch in front.
 
-
-_LEGACY_BATCHED = re.compile(r"[(, ]Batched[,)]")
-
-
-def _refuse_legacy_batching(layout: _Layout, grads: tuple[Any, ...]) -> None:
-    """A backend cannot take torch's legacy batched tensors (a compiled program, a prepared buffer,
-    numpy): refuse with what works instead of torch's "Batching rule not implemented"."""
-    if any(_legacy_batched(g) for g in grads):
+    ``torch.autograd.grad(is_grads_batched=True)``, ``torch.autograd.functional.jacobian/hessian(
+    vectorize=True)`` and ``gradcheck(check_batched_grad=True)`` run a backward once on batched
+    cotangents (torch's legacy vmap, not ``torch.func.vmap``), and a backend cannot take those (a
+    compiled program, a prepared buffer, numpy). Unbatched, they are the tangents of one backend
+    call (``_BatchedLayout``), as under ``torch.func.vmap``; the caller batches the results back
+    (``legacy_rebatch``). ``None`` when nothing is batched. Refused clearly when ``x``, the
+    contexts or the other tangents are batched too (``fixed``), or this torch lacks the internals.
+    """
+    if not any(is_legacy_batched(g) for g in grads):
+        return None
+    unbatched = None
+    if not any(is_legacy_batched(t) for t in fixed):
+        unbatched = legacy_unbatch(grads)
+    if unbatched is None:
         raise UnsupportedOperatorError(
-            f"DifferentiateWith({layout.owner.backend!r}): torch.autograd.functional.jacobian/hessian("
-            "vectorize=True), torch.autograd.grad(..., is_grads_batched=True) and gradcheck(check_batched_grad=True) "
-            "batch cotangents with torch's legacy vmap, which cannot pass through DifferentiateWith. Use "
+            f"DifferentiateWith({layout.owner.backend!r}): torch's legacy vmap (torch.autograd.grad(..., "
+            "is_grads_batched=True), torch.autograd.functional.jacobian/hessian(vectorize=True), "
+            "gradcheck(check_batched_grad=True)) batched more than the cotangents here (x, a context or a "
+            "tangent), which cannot pass through DifferentiateWith. Use "
             "torch.func.jacrev/jacfwd/vmap (batched tangents reach the backend as one call), "
             "vectorize=False / is_grads_batched=False, or a torchdi operator (torchdi.jacobian) on f."
         )
+    return unbatched
+
+
+def _legacy_rows(
+    layout: _Layout, size: int, other: tuple[torch.Tensor, ...], plain: tuple[torch.Tensor, ...]
+) -> tuple[_BatchedLayout, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...], int | None]:
+    """One backend call for ``size`` unbatched cotangents of a pullback or pushforward.
+
+    Returns the layout of that call, the other tangent per row (``None``: one shared by every
+    row), the cotangent rows, and ``k``: ``None`` for a plain ``layout``; for a layout already
+    batched by ``torch.func`` (``jacrev(g)`` under ``is_grads_batched=True``), its ``k`` tangents
+    times ``size`` rows make one batch of ``size * k`` (``_unfold`` splits the results)."""
+    if not isinstance(layout, _BatchedLayout):
+        return _BatchedLayout(layout, size), None, plain, None
+    k = layout.count
+    rows = tuple(t.reshape(size * k, *t.shape[2:]) for t in plain)
+    others = tuple(t.unsqueeze(0).expand(size, *t.shape).reshape(size * k, *t.shape[1:]) for t in other)
+    return _BatchedLayout(layout.inner, size * k), others, rows, k
+
+
+def _unfold(outputs: tuple[torch.Tensor, ...], size: int, k: int | None, shared: bool) -> tuple[torch.Tensor, ...]:
+    """Rows of ``_legacy_rows``'s call back as ``(size, k, ...)``; summed over ``k`` for ``x``'s
+    terms (``shared``: ``x`` is one for the ``k`` tangents)."""
+    if k is None:
+        return outputs
+    folded = tuple(t.reshape(size, k, *t.shape[1:]) for t in outputs)
+    return tuple(t.sum(1) for t in folded) if shared else folded
+
+
+def _rebatch(outputs: tuple[torch.Tensor, ...], levels: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(legacy_rebatch(t, levels) for t in outputs)
 
 
 def _refuse_context_derivative(layout: _Layout, needs: tuple[bool, ...] | None, what: str) -> None:
@@ -572,9 +597,16 @@ class _Value(torch.autograd.Function):
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
         _refuse_context_derivative(layout, tuple(ctx.needs_input_grad[1 + layout.n_x :]), "gradient")
-        _refuse_legacy_batching(layout, cotangents)
         primals = ctx.saved_tensors
-        dx = _apply(_Pullback, layout, *primals, *_zeros_for_missing(ctx, cotangents))
+        cotangents = _zeros_for_missing(ctx, cotangents)
+        batch = _legacy_batch(layout, primals, cotangents)
+        if batch is None:
+            dx = _apply(_Pullback, layout, *primals, *cotangents)
+        else:  # a batch of cotangents: one pullback call with several tangents
+            plain, levels, size = batch
+            with outside_legacy_vmap():
+                dx = _apply(_Pullback, _BatchedLayout(layout, size), *primals, *plain)
+            dx = _rebatch(dx, levels)
         return (None, *dx, *(None,) * layout.n_context)
 
     @staticmethod
@@ -611,11 +643,19 @@ class _Pullback(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *w: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
-        _refuse_legacy_batching(layout, w)
         w = _zeros_for_missing(ctx, w)
         saved = ctx.saved_tensors
         n = layout.n_primal
         primals, u = saved[:n], saved[n:]
+        batch = _legacy_batch(layout, saved, w)
+        if batch is not None:  # a batch of w for one u: rows ∇²<u, f>(x) w_i, one pushforward call
+            plain, levels, size = batch
+            rows, u_rows, w_rows, k = _legacy_rows(layout, size, u, plain)
+            with outside_legacy_vmap():
+                dx = _hvp_terms(rows, primals, u if u_rows is None else u_rows, w_rows, shared_u=u_rows is None)
+                du = _apply(_Pushforward, rows, *primals, *w_rows)
+            dx, du = _unfold(dx, size, k, shared=True), _unfold(du, size, k, shared=False)
+            return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(du, levels))
         # d<w, J^T u>/dx = ∇²<u, f>(x) w ; d<w, J^T u>/du = J w
         dx = _hvp_terms(layout, primals, u, w)
         if isinstance(layout, _BatchedLayout):
@@ -633,7 +673,7 @@ class _Pullback(torch.autograd.Function):
         tx, tu = tangents[1 : 1 + layout.n_x], tangents[1 + n :]
         terms = []
         if any(t is not None for t in tx):
-            terms.append(_hvp_terms(layout, primals, u, _zeros_for_none(tx, primals[: layout.n_x]), shared=True))
+            terms.append(_hvp_terms(layout, primals, u, _zeros_for_none(tx, primals[: layout.n_x]), shared_v=True))
         if any(t is not None for t in tu):
             terms.append(_apply(_Pullback, layout, *primals, *_zeros_for_none(tu, u)))
         if not terms:
@@ -646,14 +686,27 @@ class _Pullback(torch.autograd.Function):
         return batched if batched is not None else _loop_vmap(_Pullback, info, in_dims, layout, *tensors)
 
 
-def _hvp_terms(layout: _Layout, primals: tuple[torch.Tensor, ...], u: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...], shared: bool = False) -> tuple[torch.Tensor, ...]:
+def _hvp_terms(
+    layout: _Layout,
+    primals: tuple[torch.Tensor, ...],
+    u: tuple[torch.Tensor, ...],
+    v: tuple[torch.Tensor, ...],
+    shared_u: bool = False,
+    shared_v: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``∇²<u, f>(x) v`` for a plain layout; for a batched one, the batch of ``∇²<u_i, f>(x) v_i``
-    (``shared``: one ``v`` for every ``u_i``)."""
+    (``shared_u``/``shared_v``: one ``u``/``v`` for every row)."""
     if not isinstance(layout, _BatchedLayout):
         return tuple(_apply(_Hvp, layout, *primals, *u, *v))
     base = layout.inner
     rows = [
-        _apply(_Hvp, base, *primals, *(leaf[i] for leaf in u), *(v if shared else tuple(leaf[i] for leaf in v)))
+        _apply(
+            _Hvp,
+            base,
+            *primals,
+            *(u if shared_u else tuple(leaf[i] for leaf in u)),
+            *(v if shared_v else tuple(leaf[i] for leaf in v)),
+        )
         for i in range(layout.count)
     ]
     return tuple(torch.stack(column) for column in zip(*rows))
@@ -679,11 +732,19 @@ class _Pushforward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *u: torch.Tensor) -> tuple[Any, ...]:
         layout: _Layout = ctx.layout
-        _refuse_legacy_batching(layout, u)
         u = _zeros_for_missing(ctx, u)
         saved = ctx.saved_tensors
         n = layout.n_primal
         primals, v = saved[:n], saved[n:]
+        batch = _legacy_batch(layout, saved, u)
+        if batch is not None:  # a batch of u for one v: rows ∇²<u_i, f>(x) v, one pullback call
+            plain, levels, size = batch
+            rows, v_rows, u_rows, k = _legacy_rows(layout, size, v, plain)
+            with outside_legacy_vmap():
+                dx = _hvp_terms(rows, primals, u_rows, v if v_rows is None else v_rows, shared_v=v_rows is None)
+                dv = _apply(_Pullback, rows, *primals, *u_rows)
+            dx, dv = _unfold(dx, size, k, shared=True), _unfold(dv, size, k, shared=False)
+            return (None, *_rebatch(dx, levels), *(None,) * layout.n_context, *_rebatch(dv, levels))
         # d<u, J v>/dx = ∇²<u, f>(x) v ; d<u, J v>/dv = J^T u
         if isinstance(layout, _BatchedLayout):
             dx = _hvp_terms(layout, primals, u, v)

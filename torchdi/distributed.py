@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi._distributed_private import forward_hook_dicts, functional_collectives, is_fsdp_hook
 from torchdi.backends import DataParallel as DataParallel  # exported here, as DESIGN names it
 from torchdi.errors import UnsupportedOperatorError
 
@@ -163,13 +164,6 @@ _GATHERED = [0]
 _LOCK = threading.Lock()
 
 
-def _is_fsdp_hook(hook: Any) -> bool:
-    # FSDP2 registers bound methods of its per-module state (FSDPState._pre_forward and
-    # _post_forward); matched by the state's class name, the one internal this relies on. A
-    # hook that is not recognised stays: its FSDPModule is then refused at preparation.
-    return type(getattr(hook, "__self__", None)).__name__ == "FSDPState"
-
-
 @contextlib.contextmanager
 def _fsdp_hooks_off(modules: list[torch.nn.Module]) -> Iterator[None]:
     """Switch FSDP2's forward hooks off on the FSDP modules among ``modules`` and their children.
@@ -188,8 +182,17 @@ def _fsdp_hooks_off(modules: list[torch.nn.Module]) -> Iterator[None]:
                     continue
                 seen.add(id(module))
                 found = False
-                for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                    ours = {key: hook for key, hook in hooks.items() if _is_fsdp_hook(hook)}
+                dicts = forward_hook_dicts(module)
+                if not dicts:  # (fence: a torch whose modules do not show their hooks)
+                    raise UnsupportedOperatorError(
+                        f"torchdi.distributed: torch {torch.__version__} does not let torchdi switch FSDP2's own "
+                        f"forward hooks off on the sharded {type(module).__name__}, and with them on, f would compute "
+                        "with FSDP's gathered copies instead of the tensors torchdi differentiates. Use replicated "
+                        "parameters (plain tensors, all-reduced as with DDP) with torchdi.distributed.DataParallel, "
+                        "or a torch where FSDP2 modules are supported (2.9 .. 2.14.1)."
+                    )
+                for hooks in dicts:
+                    ours = {key: hook for key, hook in hooks.items() if is_fsdp_hook(hook)}
                     if ours:
                         found = True
                         removed.append((hooks, list(hooks.items()), ours))
@@ -456,9 +459,7 @@ class Layout:
 
 
 def _funcol() -> Any:
-    import torch.distributed._functional_collectives as funcol  # traceable collectives (public since 2.1, underscored)
-
-    return funcol
+    return functional_collectives()  # traceable collectives, fenced (public ones where torch lacks them)
 
 
 def _waited(tensor: torch.Tensor) -> torch.Tensor:

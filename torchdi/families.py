@@ -36,9 +36,10 @@ __all__ = [
 ]
 
 
-# The full result of each family's runner (what the value_ variant returns, tangents batched).
-# Runners return plain tuples in this order (compiled programs return tuples); code that reads
-# a result by field wraps it with ``family(name).result._make(out)`` or indexes by field name.
+# The full result of each family (what the value_ variant returns). The public value_ variants
+# return these NamedTuples on every backend (``value_and_gradient(...).gradient``; unpacking as a
+# tuple works as before). Runners inside return plain tuples in this order (compiled programs
+# return tuples, tangents batched); the value_ operator wraps them.
 class PushforwardResult(NamedTuple):
     value: Any
     dy: Any
@@ -153,6 +154,16 @@ FAMILIES: dict[str, Family] = {row.name: row for row in _ROWS}
 ALL_FAMILIES: frozenset[str] = frozenset(FAMILIES)
 FIRST_ORDER: frozenset[str] = frozenset(name for name, row in FAMILIES.items() if row.order == 1)
 SECOND_ORDER: frozenset[str] = ALL_FAMILIES - FIRST_ORDER
+#: The NamedTuples the value_ variants return.
+RESULT_TYPES: tuple[type[tuple[Any, ...]], ...] = tuple(row.result for row in _ROWS)
+
+
+def as_plain_tuple(result: Any) -> Any:
+    """``result`` as a plain tuple when it is a family's NamedTuple (else unchanged): pytree
+    comparisons then match a plain tuple of the same fields."""
+    return tuple(result) if isinstance(result, RESULT_TYPES) else result
+
+
 #: The families whose result is a matrix (``AutoSparse`` computes them sparse).
 MATRIX_FAMILIES: frozenset[str] = frozenset(name for name, row in FAMILIES.items() if row.matrix)
 

@@ -9,8 +9,8 @@ package imports them all, so the registry is full once ``torchdi.engines`` is im
 from __future__ import annotations
 
 from torchdi.engines import (  # noqa: F401  (imported for their registration)
+    autocompile,
     autograd,
-    compile,
     data_parallel,
     finitediff,
     func,

@@ -1,9 +1,13 @@
-"""The one module that touches private torch internals (dynamo, inductor, functorch, autograd).
+"""The fence of torch's dynamo, inductor, functorch and autograd internals.
 
-Every private access torchdi makes is probed here ONCE, at import, and each has a public path as
-its fallback: when a torch release moves or removes an internal, torchdi gets slower, never
-wrong. Each probe says in a comment which torch versions have it (checked on 2.9, 2.13, 2.14.1).
-When a fast path is off, one warning (logger ``torchdi``) names it, the first time it matters.
+Every such private access torchdi makes is probed here ONCE (at import; those that import
+``torch._dynamo`` on first use, so that ``import torchdi`` does not load dynamo), and each has a
+public path as its fallback: when a torch release moves or removes an internal, torchdi gets
+slower, never wrong. Each probe says in a comment which torch versions have it (checked on 2.9,
+2.13, 2.14.1). When a fast path is off, one warning (logger ``torchdi``) names it, the first time
+it matters. The other fences (same rules): ``engines/_xla_private.py`` (torch-xla),
+``sparsity/_private.py`` (aten's operator schemas), ``_distributed_private.py``
+(``torch.distributed``).
 
 The fast paths, by name (``FAST_PATHS``):
 
@@ -30,6 +34,12 @@ The fast paths, by name (``FAST_PATHS``):
   (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
   knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
   where torch has that argument).
+- ``"as_tensor_handler"``: an entry for ``torch.as_tensor`` in dynamo's table of special
+  handlers (``TorchInGraphFunctionVariable._get_handlers()``), installed only while a torchdi
+  preparation compiles: ``torch.as_tensor(c)`` of a symbolic float is traced as dynamo traces
+  ``torch.tensor(c)`` (``torch._refs.tensor``, the same tensor: a Python scalar is always
+  copied), so a float context stays an input of the program. Fallback: dynamo specializes the
+  float there (one compilation per value, counted and logged, never stale).
 - ``"function_apply"``: ``super(torch.autograd.Function, fn).apply`` with
   ``torch._functorch.utils.unwrap_dead_wrappers``: the C++ apply without
   ``Function.apply``'s Python argument binding (about 70 us less per call). Fallback:
@@ -40,6 +50,42 @@ The fast paths, by name (``FAST_PATHS``):
   dual level may be open.
 - ``"set_grad_enabled"``: ``torch._C._set_grad_enabled`` (no context-manager object, ~1 us per
   call). Fallback: ``torch.set_grad_enabled(mode)`` called as a function.
+- ``"functorch_level"``: ``torch._C._functorch.maybe_current_level`` (is a ``torch.func``
+  transform wrapping this call?). Fallback: ``"transforms_active"`` (and, without it, "a transform
+  may be active": eager backends then always run transparently, compiled ones refuse).
+- ``"functorch_unwrap"``: ``torch._C._functorch.is_functorch_wrapped_tensor`` and ``get_unwrapped``
+  (the plain tensor under ``torch.func``'s wrappers). Fallback: a tensor is taken as wrapped
+  whenever a transform is active (finite differences then keep their step a tensor), and value
+  comparisons of possibly wrapped tensors (the mutation check's, under a transform) are left to
+  the version counters alone.
+- ``"jvp_nesting"``: ``torch._functorch.eager_transforms.JVP_NESTING``, the count that lets a
+  backend's ``torch.func.jvp`` nest in the user's eager dual level (``DifferentiateWith`` under
+  ``fwAD.dual_level``). Fallback: nothing counted; torch then refuses the nested jvp with its own
+  error ("Nested forward mode AD is not supported"); backends without a jvp of their own
+  (``AutoFiniteDiff``) still work there, and ``torch.func.jvp`` around ``g`` works for all.
+- ``"dispatch_keys"``: ``torch._C._dispatch_keys`` (a tensor's dispatch key set, to recognise
+  torch's legacy ``vmap`` batching). Fallback: not recognised; ``DifferentiateWith`` loses its
+  clear message there and torch's own error ("Batching rule not implemented") remains.
+- ``"dynamo_errors"``: ``torch._dynamo.exc.BackendCompilerFailed`` and ``UserError``, which
+  ``AutoCompile`` turns into messages naming what works. Fallback: the errors surface as torch
+  raised them.
+- ``"artifact_scope"``: ``torch.compiler._cache.CacheArtifactManager.with_fresh_cache`` (torch
+  2.7 .. 2.14.1): the Mega-Cache artifacts (``torch.compiler.save_cache_artifacts``) of one
+  persisted preparation, apart from those of the process's other compilations. Fallback: the
+  process's artifacts so far (a larger cache entry, the same programs).
+- ``"compile_cache_counts"``: ``torch._dynamo.utils.counters`` (AOTAutograd and FX graph cache
+  hits and misses), which say whether a compilation reused persisted artifacts. Fallback:
+  ``prep.loaded_from_cache`` says that artifacts were loaded, not whether they were used.
+
+Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
+``torch.autograd.functional.jacobian/hessian(vectorize=True)`` and
+``gradcheck(check_batched_grad=True)`` batch cotangents with torch's legacy vmap
+(``torch._vmap_internals``). ``legacy_unbatch``/``legacy_rebatch`` turn its batched tensors into
+plain ones with the batch as a leading dimension and back (``torch._C._functorch.
+is_legacy_batchedtensor``, ``torch._remove_batch_dim``, ``torch._add_batch_dim``,
+``torch._C._vmapmode_increment_nesting``; torch 2.0 .. 2.14.1); ``outside_legacy_vmap`` runs
+the backend on them outside the legacy vmap mode. Fallback: ``legacy_unbatch``
+returns ``None`` and the caller refuses clearly, naming ``torch.func``'s transforms.
 
 torch-xla's internals are fenced the same way in ``engines/_xla_private.py``, which probes only
 when an XLA backend is used (importing torch-xla is slow and may fail on a mismatched torch).
@@ -51,6 +97,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import re
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
@@ -60,19 +107,32 @@ import torch.autograd.forward_ad as fwAD
 
 __all__ = [
     "FAST_PATHS",
-    "GRAPH_BREAK_ERRORS",
     "RECOMPILE_LIMIT",
     "DynamoCache",
     "fresh_entry_point",
     "release",
     "apply_function",
+    "artifact_scope",
     "cache_entries",
+    "compile_cache_counts",
     "compile_function",
     "compiler_for",
+    "compiler_failure_errors",
+    "dispatch_keys",
     "dynamo_settings",
+    "dynamo_user_errors",
     "forget_float_specializations",
+    "graph_break_errors",
     "forward_ad_level",
+    "functorch_level",
+    "functorch_unwrapped",
     "is_compiling",
+    "is_functorch_wrapped",
+    "is_legacy_batched",
+    "jvp_nests_in_dual_level",
+    "legacy_rebatch",
+    "legacy_unbatch",
+    "outside_legacy_vmap",
     "release_code",
     "set_grad_enabled",
     "transforms_active",
@@ -90,7 +150,10 @@ def _probe(getter: Callable[[], Any]) -> Any:
         return None
 
 
-# -- probes (once, at import) ------------------------------------------------------------------
+# -- probes (once: at import, or on first use for those that import dynamo) ----------------------
+
+# A probe not run yet (see _LAZY_PROBES).
+_UNPROBED: Any = object()
 
 # torch 2.1 .. 2.14.1 (the C++ guard manager, CacheEntry.guard_manager, since 2.4).
 _CACHE_ENTRY_LIST: Callable[[types.CodeType], Any] | None = _probe(
@@ -105,7 +168,7 @@ def _reset_code_and_backends() -> tuple[Callable[[types.CodeType], None], dict[i
 
 
 # torch 2.1 .. 2.14.1 (reset_code; cached_backends, a dict by id of the backend).
-_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _probe(_reset_code_and_backends)
+_RELEASE: tuple[Callable[[types.CodeType], None], dict[int, Any]] | None = _UNPROBED
 
 # torch 2.0 .. 2.14.1.
 _COMPILER_WRAPPERS: tuple[type, type] | None = _probe(lambda: (torch._TorchCompileInductorWrapper, torch._TorchCompileWrapper))
@@ -124,10 +187,10 @@ def _lookup_backend() -> Callable[[str], Any]:
 
 
 # torch 2.0 .. 2.14.1: dynamo's registry of backends by name (the compiler wrappers' fallback).
-_LOOKUP_BACKEND: Callable[[str], Any] | None = _probe(_lookup_backend)
+_LOOKUP_BACKEND: Callable[[str], Any] | None = _UNPROBED
 
 # torch 2.6 .. 2.14.1 (symbolic floats).
-_TENSORIFY_STATE: Any = _probe(_tensorify_state)
+_TENSORIFY_STATE: Any = _UNPROBED
 
 
 def _unwrap_dead_wrappers() -> Callable[[Any], Any]:
@@ -150,6 +213,58 @@ _FORWARD_AD_LEVEL: bool = isinstance(_probe(lambda: fwAD._current_level), int)
 # torch 1.x .. 2.14.1.
 _SET_GRAD_ENABLED: Callable[[bool], None] | None = _probe(lambda: torch._C._set_grad_enabled)
 
+def _functorch_level() -> Callable[[], int | None]:
+    return torch._C._functorch.maybe_current_level
+
+
+def _functorch_unwrap() -> tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]:
+    return torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
+
+
+# torch 2.0 .. 2.14.1: functorch's current level (None outside every transform).
+_FUNCTORCH_LEVEL: Callable[[], int | None] | None = _probe(_functorch_level)
+
+# torch 2.0 .. 2.14.1: functorch's wrapper tensors.
+_FUNCTORCH_UNWRAP: tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]] | None = _probe(_functorch_unwrap)
+
+
+def _eager_transforms() -> Any:
+    import torch._functorch.eager_transforms as eager_transforms
+
+    if not isinstance(eager_transforms.JVP_NESTING, int):
+        raise TypeError("JVP_NESTING is not a count")
+    return eager_transforms
+
+
+# torch 2.0 .. 2.14.1: the module holding torch.func.jvp's nesting count (JVP_NESTING).
+_JVP_NESTING: Any = _probe(_eager_transforms)
+
+# torch 1.x .. 2.14.1: a tensor's dispatch key set.
+_DISPATCH_KEYS: Callable[[torch.Tensor], Any] | None = _probe(lambda: torch._C._dispatch_keys)
+
+
+def _dynamo_errors() -> tuple[type[BaseException], type[BaseException]]:
+    import torch._dynamo.exc
+
+    return torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.UserError
+
+
+# torch 2.0 .. 2.14.1: a compiler's failure, and dynamo's refusal of the function itself.
+_DYNAMO_ERRORS: tuple[type[BaseException], type[BaseException]] | None = _UNPROBED
+
+def _legacy_vmap_api() -> tuple[Callable[[torch.Tensor], bool], Callable[..., torch.Tensor], Callable[..., torch.Tensor], Callable[[], int], Callable[[], int]]:
+    return (
+        torch._C._functorch.is_legacy_batchedtensor,
+        torch._remove_batch_dim,
+        torch._add_batch_dim,
+        torch._C._vmapmode_increment_nesting,
+        torch._C._vmapmode_decrement_nesting,
+    )
+
+
+# torch 2.0 .. 2.14.1: torch's legacy vmap (torch._vmap_internals), which batched autograd uses.
+_LEGACY_VMAP = _probe(_legacy_vmap_api)
+
 # torch.compile(recompile_limit=...) (a public argument; torch 2.13 and later).
 _COMPILE_PARAMETERS = frozenset(inspect.signature(torch.compile).parameters)
 
@@ -160,7 +275,7 @@ def _dynamo_config() -> Any:
     return torch._dynamo.config
 
 
-_CONFIG: Any = _probe(_dynamo_config)
+_CONFIG: Any = _UNPROBED
 
 
 def _graph_break_errors() -> tuple[type[BaseException], ...]:
@@ -171,7 +286,32 @@ def _graph_break_errors() -> tuple[type[BaseException], ...]:
 
 # torch 2.0 .. 2.14.1: what dynamo raises for a graph break under fullgraph=True. Without it,
 # nothing is taken for a graph break: the error surfaces as torch raised it.
-GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] = _probe(_graph_break_errors) or ()
+_GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] | None = _UNPROBED
+
+# The probes that import torch._dynamo (about a second, most of `import torchdi` otherwise) run
+# on first use, once: a program that never compiles never imports dynamo. (They import torch's
+# modules, not torchdi's: nothing here dodges an import cycle.)
+_LAZY_PROBES: dict[str, Callable[[], Any]] = {
+    "_RELEASE": _reset_code_and_backends,
+    "_LOOKUP_BACKEND": _lookup_backend,
+    "_TENSORIFY_STATE": _tensorify_state,
+    "_DYNAMO_ERRORS": _dynamo_errors,
+    "_CONFIG": _dynamo_config,
+    "_GRAPH_BREAK_ERRORS": _graph_break_errors,
+}
+
+
+def _lazy(name: str) -> Any:
+    """The probe ``name`` (one of ``_LAZY_PROBES``), probed now if it was not yet."""
+    value = globals()[name]
+    if value is _UNPROBED:
+        value = globals()[name] = _probe(_LAZY_PROBES[name])
+    return value
+
+
+def graph_break_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises for a graph break under ``fullgraph=True`` (``()``: none recognised)."""
+    return _lazy("_GRAPH_BREAK_ERRORS") or ()
 
 FAST_PATHS: dict[str, str] = {
     "guard_lookup": "evaluating dynamo's guards and running its transformed code without torch.compile's per-call wrapper",
@@ -179,10 +319,27 @@ FAST_PATHS: dict[str, str] = {
     "compiler_wrappers": "torch.compile's own compiler wrappers (torch._TorchCompileInductorWrapper)",
     "tensorify_reset": "forgetting dynamo's float specializations between preparations (TensorifyState)",
     "dynamo_config": "torch._dynamo.config knobs",
+    "as_tensor_handler": "tracing torch.as_tensor of a symbolic float as torch.tensor (dynamo's handler table)",
     "function_apply": "the C++ torch.autograd.Function apply without Python argument binding",
     "transforms_active": "asking functorch whether a transform is active",
     "forward_ad_level": "reading forward-mode AD's current level",
     "set_grad_enabled": "switching grad mode without a context-manager object",
+    "artifact_scope": "collecting one preparation's Mega-Cache artifacts apart from the process's others",
+    "compile_cache_counts": "counting AOTAutograd / FX graph cache hits (whether persisted artifacts were used)",
+    "functorch_level": "reading functorch's current transform level",
+    "functorch_unwrap": "recognising and unwrapping torch.func's wrapper tensors",
+    "jvp_nesting": "nesting a backend's torch.func.jvp in the caller's eager dual level",
+    "dispatch_keys": "reading a tensor's dispatch keys (torch's legacy vmap batching)",
+    "dynamo_errors": "recognising dynamo's compiler failures and refusals (torch._dynamo.exc)",
+}
+
+# What a fallback costs when it is more than time (the others are slower, never different).
+_COSTS: dict[str, str] = {
+    "jvp_nesting": (
+        "with which DifferentiateWith(f, backend) under an eager fwAD.dual_level works for backends that open no "
+        "jvp of their own (AutoFiniteDiff); torch refuses the others ('Nested forward mode AD is not supported'), "
+        "torch.func.jvp around g works for all"
+    ),
 }
 
 _warned: set[str] = set()
@@ -195,11 +352,12 @@ def warn_off(name: str, detail: str = "") -> None:
     _warned.add(name)
     logger.warning(
         "torchdi: torch %s lacks the internal behind a fast path (%s: %s)%s; torchdi uses the public "
-        "path instead, which is slower but gives the same results.",
+        "path instead, %s.",
         torch.__version__,
         name,
         FAST_PATHS[name],
         f" ({detail})" if detail else "",
+        _COSTS.get(name, "which is slower but gives the same results"),
     )
 
 
@@ -225,7 +383,7 @@ def release_code(code: types.CodeType | None, backend_key: int) -> bool:
     """Drop dynamo's cache entries on ``code`` and its cached backend ``backend_key`` (``id`` of the
     object passed as ``backend=``). Returns whether it could (``False``: the caller empties what it
     owns instead)."""
-    hooks = _RELEASE
+    hooks = _lazy("_RELEASE")
     if hooks is None:
         warn_off("release")
         return False
@@ -250,7 +408,7 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
     """
     wrappers = _COMPILER_WRAPPERS
     if wrappers is None:
-        lookup = _LOOKUP_BACKEND
+        lookup = _lazy("_LOOKUP_BACKEND")
         if lookup is None:
             raise RuntimeError(
                 f"AutoCompile: torch {torch.__version__} has neither torch._TorchCompileWrapper nor "
@@ -284,7 +442,7 @@ RECOMPILE_LIMIT = 1024
 def dynamo_settings(wanted: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``wanted`` (``torch._dynamo.config`` knob -> value) this torch has; a
     missing knob is left out and named in one warning."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     if config is None:
         warn_off("dynamo_config", "no torch._dynamo.config")
         return {}
@@ -305,7 +463,7 @@ def _has_knob(config: Any, name: str) -> bool:
 
 def config_value(name: str, default: Any) -> Any:
     """``torch._dynamo.config.<name>``, or ``default`` where this torch lacks it."""
-    config = _CONFIG
+    config = _lazy("_CONFIG")
     return default if config is None or not _has_knob(config, name) else getattr(config, name)
 
 
@@ -316,7 +474,7 @@ def patched_config(settings: dict[str, Any]) -> Iterator[None]:
     if not present:
         yield
         return
-    with _CONFIG.patch(present):
+    with _lazy("_CONFIG").patch(present):
         yield
 
 
@@ -328,11 +486,76 @@ def forget_float_specializations() -> None:
     too (and then recompiles on every new value). It is only meant for the restarts within one
     compilation, which happen inside dynamo, between these calls.
     """
-    state = _TENSORIFY_STATE
+    state = _lazy("_TENSORIFY_STATE")
     if state is None:
         return  # a torch without symbolic floats, or one that moved the record: nothing to forget
     with contextlib.suppress(AttributeError):
         state.clear()
+
+
+def _as_tensor_api() -> tuple[dict[Any, Any], Any, type] | None:
+    """Dynamo's special-handler table, its in-graph function variable and its symbolic-scalar
+    variable (torch 2.4 .. 2.14.1), probed on first use: importing dynamo's variables is slow."""
+    global _AS_TENSOR_API
+    if _AS_TENSOR_API is None:
+
+        def probe() -> tuple[dict[Any, Any], Any, type]:
+            from torch._dynamo.variables.tensor import SymNodeVariable
+            from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+            handlers = TorchInGraphFunctionVariable._get_handlers()
+            if not isinstance(handlers, dict) or not hasattr(torch._refs, "tensor"):
+                raise AttributeError("dynamo's handler table")
+            return handlers, TorchInGraphFunctionVariable, SymNodeVariable
+
+        _AS_TENSOR_API = _probe(probe) or False
+    return _AS_TENSOR_API or None
+
+
+_AS_TENSOR_API: Any = None
+_AS_TENSOR_NAMES = ("data", "dtype", "device")
+
+
+def _handle_as_tensor(variable: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+    """Dynamo's handler for ``torch.as_tensor(data, *, dtype=None, device=None)``: a symbolic scalar
+    ``data`` is traced as ``torch.tensor`` traces it; anything else as dynamo does (``None``)."""
+    api = _as_tensor_api()
+    if api is None or len(args) > 1 or set(kwargs) - set(_AS_TENSOR_NAMES):
+        return None  # (as_tensor takes data alone by position: torch's own error for the rest)
+    _, in_graph_function, symbolic_scalar = api
+    named = dict(zip(_AS_TENSOR_NAMES, args)) | kwargs
+    data = named.pop("data", None)
+    if not isinstance(data, symbolic_scalar):
+        return None
+    # A Python scalar is always copied by as_tensor: the same tensor as torch.tensor(data, ...).
+    return in_graph_function(torch._refs.tensor).call_function(tx, [data], named)
+
+
+@contextlib.contextmanager
+def symbolic_as_tensor() -> Iterator[None]:
+    """While torchdi compiles: ``torch.as_tensor(c)`` of a symbolic float keeps ``c`` symbolic.
+
+    Dynamo traces ``torch.tensor(c)`` of a symbolic float through ``torch._refs.tensor`` (no
+    specialization, then ``translate.keep_float_factories_traced`` keeps ``c`` an input), but
+    runs ``torch.as_tensor(c)`` as is, which specializes ``c``: one compilation per value. The
+    handler is in dynamo's table only inside the block (torchdi's own compilations), and never
+    replaces one torch has.
+    """
+    api = _as_tensor_api()
+    if api is None:
+        warn_off("as_tensor_handler")
+        yield
+        return
+    handlers = api[0]
+    if torch.as_tensor in handlers:  # torch's own handler, or ours from an enclosing compilation
+        yield
+        return
+    handlers[torch.as_tensor] = _handle_as_tensor
+    try:
+        yield
+    finally:
+        if handlers.get(torch.as_tensor) is _handle_as_tensor:
+            del handlers[torch.as_tensor]
 
 
 def is_compiling() -> bool:
@@ -377,6 +600,97 @@ def apply_function(function: Any, *args: Any) -> Any:
         return function.apply(*args)
     _, unwrap_dead_wrappers = fast
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+
+
+def functorch_level() -> int | None:
+    """The innermost active ``torch.func`` transform's level, ``None`` outside every transform
+    (``0`` when this torch cannot say but a transform may be active). Not callable while dynamo
+    traces (check ``is_compiling()`` first)."""
+    probe = _FUNCTORCH_LEVEL
+    if probe is None:
+        warn_off("functorch_level")
+        return 0 if transforms_active() else None
+    return probe()
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (``True`` whenever a transform
+    is active, when this torch cannot say)."""
+    probe = _FUNCTORCH_UNWRAP
+    if probe is None:
+        warn_off("functorch_unwrap")
+        return transforms_active()
+    return bool(probe[0](tensor))
+
+
+def functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``torch.func``'s wrappers (all batch entries of a ``vmap``ped
+    tensor); ``None`` when it may be wrapped and this torch cannot unwrap it."""
+    probe = _FUNCTORCH_UNWRAP
+    if probe is None:
+        if not transforms_active():
+            return tensor
+        warn_off("functorch_unwrap", "under torch.func transforms the mutation check reads version counters only")
+        return None
+    is_wrapped, get_unwrapped = probe
+    while is_wrapped(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
+
+
+@contextlib.contextmanager
+def jvp_nests_in_dual_level() -> Iterator[None]:
+    """Count the caller's eager dual level (``fwAD.dual_level``) as an outer ``torch.func.jvp``.
+
+    Forward-mode AD has one dual level at a time. ``torch.func.jvp`` enters it when it is the
+    outermost jvp (its count ``JVP_NESTING`` is 0) and nests inside it otherwise, telling its
+    tangents apart by functorch's own levels. Counting the user's level as an outer jvp lets a
+    backend's jvp nest in it as under ``torch.func.jvp``, instead of failing with "Nested forward
+    mode AD is not supported". Without the count (``"jvp_nesting"``), nothing changes.
+    """
+    transforms = _JVP_NESTING
+    if forward_ad_level() < 0:
+        yield
+        return
+    if transforms is None:
+        warn_off("jvp_nesting")
+        yield
+        return
+    if transforms.JVP_NESTING != 0:
+        yield
+        return
+    transforms.JVP_NESTING += 1
+    try:
+        yield
+    finally:
+        transforms.JVP_NESTING -= 1
+
+
+def dispatch_keys(tensor: torch.Tensor) -> str | None:
+    """The repr of ``tensor``'s dispatch key set, ``None`` when this torch does not show it."""
+    probe = _DISPATCH_KEYS
+    if probe is None:
+        warn_off("dispatch_keys")
+        return None
+    return repr(probe(tensor))
+
+
+def compiler_failure_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's "the backend compiler failed" error class (``()``: none recognised)."""
+    errors = _lazy("_DYNAMO_ERRORS")
+    if errors is None:
+        warn_off("dynamo_errors")
+        return ()
+    return (errors[0],)
+
+
+def dynamo_user_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's refusals of the traced function itself (a data-dependent guard...) (``()``: none recognised)."""
+    errors = _lazy("_DYNAMO_ERRORS")
+    if errors is None:
+        warn_off("dynamo_errors")
+        return ()
+    return (errors[1],)
 
 
 def set_grad_enabled(mode: bool) -> None:
@@ -494,7 +808,7 @@ class DynamoCache:
         before = self._transformed_codes()
         self.in_flight = frame_locals
         try:
-            with patched_config(dict(settings)):
+            with patched_config(dict(settings)), symbolic_as_tensor():
                 result = compiled(*args)
         finally:
             self.in_flight = None
@@ -548,3 +862,166 @@ def release(backend_key: int, holder: list[types.FunctionType]) -> None:
         if not released:  # the compiled graphs go; their names stay for dynamo's own hooks to delete
             for name in [name for name in scope if name.startswith(("__compiled_fn", "__resume"))]:
                 scope[name] = None
+
+
+# -- torch's legacy vmap (is_grads_batched, vectorize=True, check_batched_grad) -----------------
+
+# Levels looked for above the calling thread's legacy vmap nesting: the autograd engine may run a
+# backward on a device thread whose own nesting count is 0.
+_LEGACY_LEVEL_MARGIN = 4
+
+
+# torch 2.0 .. 2.14.1: legacy vmap mode's dispatch key (not a DispatchKey member: parsed by name).
+def _vmap_mode_keys() -> Any:
+    key = torch._C._parse_dispatch_key("VmapMode")
+    if key is None:
+        raise AttributeError("VmapMode")
+    return torch._C.DispatchKeySet(key)
+
+
+_VMAP_MODE_KEYS: Any = _probe(_vmap_mode_keys)
+
+# Legacy vmap's "Batched" key in a dispatch key set's repr (not a DispatchKey member): how a
+# torch without is_legacy_batchedtensor is still refused clearly (``dispatch_keys``).
+_BATCHED_KEY = re.compile(r"[(, ]Batched[,)]")
+
+
+def is_legacy_batched(tensor: Any) -> bool:
+    """Whether ``tensor`` is batched by torch's legacy vmap (``False`` when this torch cannot say)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    api = _LEGACY_VMAP
+    if api is not None:
+        return bool(api[0](tensor))
+    keys = dispatch_keys(tensor)
+    return keys is not None and _BATCHED_KEY.search(keys) is not None
+
+
+def _legacy_nesting() -> int:
+    """The calling thread's legacy vmap nesting, read without changing it."""
+    assert _LEGACY_VMAP is not None
+    current = _LEGACY_VMAP[3]() - 1
+    _LEGACY_VMAP[4]()
+    return current
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave torch's legacy vmap mode for the block, on plain tensors from ``legacy_unbatch``.
+
+    Inside the mode, the dispatcher adds ``VmapMode`` to every tensor's keys (a compiled
+    backend's guards then fail, one recompilation per mode) and refuses random operations; the
+    block computes on plain tensors, so it runs as outside any vmap. The nesting is restored after.
+    """
+    api = _LEGACY_VMAP
+    depth = _legacy_nesting() if api is not None else 0
+    with contextlib.ExitStack() as stack:
+        # The mode's key is also in the thread-local dispatch keys the autograd engine hands its
+        # device threads, whose own nesting count is 0: exclude it as well.
+        if _VMAP_MODE_KEYS is not None:
+            stack.enter_context(torch._C._ExcludeDispatchKeyGuard(_VMAP_MODE_KEYS))
+        if api is not None and depth > 0:
+            for _ in range(depth):
+                api[4]()
+            stack.callback(lambda: [api[3]() for _ in range(depth)])
+        yield
+
+
+def legacy_unbatch(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[int, int], ...], int] | None:
+    """Plain tensors for legacy-vmap batched ones: every batch level as one leading dimension.
+
+    Returns ``(plain, levels, size)``: each of ``tensors`` with its batch dimensions (from every
+    level any of them carries, an unbatched one expanded) flattened into one leading dimension of
+    ``size``, and the ``(level, batch size)`` pairs ``legacy_rebatch`` needs. ``None`` when this
+    torch lacks the internals or a batch level could not be found (the caller refuses then).
+    """
+    api = _LEGACY_VMAP
+    if api is None:
+        return None
+    is_batched, remove_batch_dim = api[0], api[1]
+    current = _legacy_nesting()
+    # A level a tensor does not carry expands it by the batch size given: 0 tells "absent" apart
+    # from a present level (whose own size is used, and is never 0 for a batch that has rows).
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        if not is_batched(tensor):
+            continue
+        for level in range(max(current, 0) + _LEGACY_LEVEL_MARGIN, 0, -1):
+            if level in found:
+                continue
+            size = remove_batch_dim(tensor, level, 0, 0).shape[0]
+            if size:
+                found[level] = size
+    levels = tuple(sorted(found.items()))  # outermost (lowest) level first
+    plain = []
+    for tensor in tensors:
+        for level, size in reversed(levels):  # innermost first: each becomes the new leading dim
+            tensor = remove_batch_dim(tensor, level, size, 0)
+        if is_batched(tensor):
+            return None
+        plain.append(tensor.reshape(-1, *tensor.shape[len(levels) :]) if len(levels) != 1 else tensor)
+    total = 1
+    for _, size in levels:
+        total *= size
+    return tuple(plain), levels, total
+
+
+def legacy_rebatch(tensor: torch.Tensor, levels: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The inverse of ``legacy_unbatch`` for one result with the same leading batch dimension."""
+    api = _LEGACY_VMAP
+    assert api is not None
+    add_batch_dim = api[2]
+    if len(levels) != 1:
+        tensor = tensor.reshape(*(size for _, size in levels), *tensor.shape[1:])
+    for level, _ in levels:  # outermost first, as legacy vmap nests
+        tensor = add_batch_dim(tensor, 0, level)
+    return tensor
+
+
+# -- persisted compiled artifacts ("artifact_scope", "compile_cache_counts") ---------------------
+# Lazy probes (_LAZY_PROBES): they import inductor's and dynamo's modules.
+
+
+def _fresh_artifacts() -> Any:
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.with_fresh_cache
+
+
+def _dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+# torch 2.7 .. 2.14.1.
+_FRESH_ARTIFACTS: Any = _UNPROBED
+# torch 2.0 .. 2.14.1 (the cache counters: AOTAutograd's since 2.4, the FX graph cache's since 2.2).
+_COUNTERS: Any = _UNPROBED
+_LAZY_PROBES["_FRESH_ARTIFACTS"] = _fresh_artifacts
+_LAZY_PROBES["_COUNTERS"] = _dynamo_counters
+
+
+def artifact_scope() -> contextlib.AbstractContextManager[None]:
+    """A scope whose compilations' Mega-Cache artifacts ``torch.compiler.save_cache_artifacts``
+    returns alone (the process's earlier ones are set aside and restored after it)."""
+    fresh = _lazy("_FRESH_ARTIFACTS")
+    if fresh is None:
+        warn_off("artifact_scope")
+        return contextlib.nullcontext()
+    return cast("contextlib.AbstractContextManager[None]", fresh())
+
+
+def compile_cache_counts() -> tuple[int, int] | None:
+    """``(hits, misses)`` of AOTAutograd's and inductor's FX graph caches in this process so far,
+    or ``None`` when this torch does not count them."""
+    counters = _lazy("_COUNTERS")
+    if counters is None:
+        warn_off("compile_cache_counts")
+        return None
+    try:
+        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+    except (KeyError, TypeError):
+        return None
+    return int(hits), int(misses)

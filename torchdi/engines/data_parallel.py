@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torchdi.backends import AutoCompile, DataParallel
 from torchdi.distributed import Layout, reduced_gradient, require_process_group, running_gathered
-from torchdi.engines.compile import CompiledRunner
+from torchdi.engines._compiled import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFiniteDiff
+from torchdi.engines._dynamo import is_functorch_wrapped
 from torchdi.runners import FALLBACKS, register_engine
 
 __all__ = ["FiniteDiffEngine"]
@@ -40,7 +41,7 @@ def _batched(tree: Any) -> bool:
     batch entry, so a step size read with ``float()`` cannot be taken: ``.item()`` is refused)."""
     if torch.compiler.is_compiling():  # dynamo: a float() of a value would break the graph
         return True
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in pytree.tree_leaves(tree))
+    return any(is_functorch_wrapped(leaf) for leaf in pytree.tree_leaves(tree))
 
 
 def _magnitude_along_tensor(x: Any, direction: Any) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc
+from torchdi.engines._dynamo import functorch_level
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
 from torchdi.runners import register_engine
@@ -62,7 +63,7 @@ def _vmap_shared_value(along: Any, tangents: Any) -> tuple[Any, Any]:
     value does not depend on the tangent: returned once (``out_dims=None``). Under an outer
     ``torch.func`` transform (DESIGN rule 10) functorch may still wrap that value at the inner
     level, which ``out_dims=None`` refuses: it is then batched and its first entry taken."""
-    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+    if torch.compiler.is_compiling() or functorch_level() is None:
         return cast(tuple[Any, Any], vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tangents))
     value, result = vmap(along, randomness=_RANDOMNESS)(tangents)
     return _first(value), result

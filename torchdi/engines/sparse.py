@@ -13,19 +13,26 @@ of the preparation.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
 import time
 import warnings
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
+from torchdi.cache import Store, store_for
 from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
-from torchdi.engines.compile import CompiledRunner
+from torchdi.engines._compiled import CompiledRunner, compiled_store, program_key
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES
+from torchdi.fingerprint import fingerprint
 from torchdi.runners import (
     BoundFunction,
     Spec,
@@ -55,10 +62,12 @@ from torchdi.sparsity.decompression import (
 )
 from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
-from torchdi.sparsity.known import KnownSparsity, known_sparsity
-from torchdi.sparsity.tracer import trace_sparsity
+from torchdi.sparsity.known import KnownColoring, KnownSparsity, known_sparsity
+from torchdi.sparsity.tracer import TracerSparsity, trace_sparsity
 
 __all__ = ["SparseEngine", "SparseRunner"]
+
+logger = logging.getLogger("torchdi")
 
 
 class SparseEngine:
@@ -100,15 +109,122 @@ def dense_sparsity(
     return IndexSets.from_dense((matrix.detach().reshape(rows, spec.x.numel).abs() > detector.atol).cpu())
 
 
-def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool) -> tuple[IndexSets, tuple[str, ...]]:
+# --------------------------------------------------------------------------------------------
+# Persisted detection and colouring (torchdi.cache)
+
+
+def _store(backend: AutoSparse) -> Store | None:
+    """The cache of this preparation: the dense ``AutoCompile``'s ``cache_dir`` if it names one,
+    else ``TORCHDI_CACHE_DIR`` / the default directory; ``None`` when off."""
+    return store_for(getattr(backend.dense, "cache_dir", None))
+
+
+def _context_tensors(contexts: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors the tracer never reads the values of: context leaves, and the parameters and
+    buffers of context modules (it marks them as varying)."""
+    found: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(contexts):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif isinstance(leaf, torch.nn.Module):
+            found += [*leaf.parameters(), *leaf.buffers()]
+    return tuple(found)
+
+
+def _detection_key(backend: AutoSparse, f: BoundFunction, spec: Spec, contexts: tuple[Any, ...], hessian: bool) -> str | None:
+    """What the traced pattern depends on: f and everything it reads (code, globals, closure
+    cells, helper functions: ``torchdi.fingerprint``), the layouts of x, y and the contexts (the
+    tracer reads context tensors' shapes only), the detector, and the operator. ``None``: f reads
+    something that cannot be keyed soundly, so the pattern is detected afresh."""
+    function = fingerprint(f)
+    context_key = fingerprint(contexts, meta_only=_context_tensors(contexts))
+    if function is None or context_key is None:
+        return None
+    return json.dumps([
+        "hessian" if hessian else "jacobian", function, context_key, repr(backend.sparsity), np.__version__,
+        str(spec.x.spec), [list(s) for s in spec.x.shapes], [str(d) for d in spec.x.dtypes],
+        str(spec.y.spec), [list(s) for s in spec.y.shapes], [str(d) for d in spec.y.dtypes],
+    ])
+
+
+def _pack(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    arrays = {**arrays, "__meta__": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds too narrowly
+    return buffer.getvalue()
+
+
+def _unpack(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """The arrays and metadata of an entry, or ``None`` when it does not parse (never pickled
+    objects: ``allow_pickle=False``)."""
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+        meta = json.loads(arrays.pop("__meta__").tobytes())
+    except Exception as error:  # a payload that passed the checksum but not numpy: another layout
+        logger.debug("torchdi cache: unreadable sparsity entry (%s); detecting afresh", error)
+        return None
+    return (arrays, meta) if isinstance(meta, dict) else None
+
+
+def _pattern_from(arrays: dict[str, np.ndarray], meta: dict[str, Any], m: int, n: int) -> IndexSets | None:
+    """The persisted pattern, if it is a well-formed ``m x n`` CSR pattern (else ``None``)."""
+    try:
+        return _checked_pattern(arrays, meta, m, n)
+    except (TypeError, ValueError):
+        return None
+
+
+def _checked_pattern(arrays: dict[str, np.ndarray], meta: dict[str, Any], m: int, n: int) -> IndexSets | None:
+    indptr, indices = arrays.get("indptr"), arrays.get("indices")
+    if indptr is None or indices is None or meta.get("ncols") != n or indptr.shape != (m + 1,):
+        return None
+    indptr, indices = indptr.astype(np.int64), indices.astype(np.int64)
+    if indptr[0] != 0 or indptr[-1] != len(indices) or (np.diff(indptr) < 0).any() or (indices.size and (indices.min() < 0 or indices.max() >= n)):
+        return None
+    return IndexSets(indptr, indices, n)
+
+
+def _detect_persisted(
+    backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool
+) -> tuple[IndexSets, tuple[str, ...], bool]:
+    """``_detect``, through the cache for ``TracerSparsity``: ``(pattern, fallbacks, loaded)``.
+
+    A loaded pattern is checked against f's own derivative at this x exactly as a freshly traced
+    one is (``rows_missing_nonzeros``: one random product); one that misses a non-zero is
+    dropped and the pattern traced again. ``KnownSparsity`` needs no detection and
+    ``DenseSparsity``'s depends on x's values: neither is persisted."""
+    store = _store(backend) if isinstance(backend.sparsity, TracerSparsity) else None
+    key = _detection_key(backend, f, spec, contexts, hessian) if store is not None else None
+    if store is not None and key is not None:
+        payload = store.get("sparsity", key)
+        unpacked = _unpack(payload) if payload is not None else None
+        n = spec.x.numel
+        m = n if hessian else spec.y.numel
+        pattern = _pattern_from(*unpacked, m, n) if unpacked is not None else None
+        if pattern is not None and unpacked is not None:
+            if not rows_missing_nonzeros(pattern, backend.dense, f, spec, x, contexts, hessian).size:
+                return pattern, tuple(str(name) for name in unpacked[1].get("fallbacks", ())), True
+            logger.debug("torchdi cache: a persisted sparsity pattern misses non-zeros of f at this point; tracing again")
+    pattern, fallbacks, dense_fallback = _detect(backend, f, spec, x, contexts, hessian)
+    if store is not None and key is not None and not dense_fallback:  # the tracer's warning repeats
+        store.put("sparsity", key, _pack(
+            {"indptr": pattern.indptr, "indices": pattern.indices}, {"ncols": pattern.ncols, "fallbacks": list(fallbacks)}
+        ))
+    return pattern, fallbacks, False
+
+
+def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, contexts: tuple[Any, ...], hessian: bool) -> tuple[IndexSets, tuple[str, ...], bool]:
+    """The pattern, the ops the tracer had no rule for, and whether the tracer's pattern failed
+    its check and the dense pattern replaced it."""
     n = spec.x.numel
     m = n if hessian else spec.y.numel
     detector = backend.sparsity
     if isinstance(detector, KnownSparsity):
         y_shape = tuple(spec.x.shapes[0]) if hessian else tuple(spec.y.shapes[0])
-        return known_sparsity(detector, m, n, y_shape, tuple(spec.x.shapes[0]), hessian), ()
+        return known_sparsity(detector, m, n, y_shape, tuple(spec.x.shapes[0]), hessian), (), False
     if isinstance(detector, DenseSparsity):
-        return dense_sparsity(detector, backend.dense, f, spec, x, contexts, hessian), ()
+        return dense_sparsity(detector, backend.dense, f, spec, x, contexts, hessian), (), False
     traced = trace_sparsity(f, x, contexts, hessian=hessian)
     pattern = traced.pattern
     if hessian:  # symmetric by nature; the traced gradient graph may only show one side
@@ -126,8 +242,39 @@ def _detect(backend: AutoSparse, f: BoundFunction, spec: Spec, x: torch.Tensor, 
             UserWarning,
             stacklevel=user_stacklevel(),
         )
-        pattern = IndexSets.full(m, n)
-    return pattern, traced.fallbacks
+        return IndexSets.full(m, n), traced.fallbacks, True
+    return pattern, traced.fallbacks, False
+
+
+def _known_pattern(known: KnownColoring, m: int, n: int, hessian: bool) -> IndexSets:
+    what = "hessian" if hessian else "jacobian"
+    wanted = ("star", "substitution") if hessian else ("forward", "reverse", "mixed")
+    if known.mode not in wanted:
+        raise ValueError(
+            f"AutoSparse: coloring=KnownColoring(mode={known.mode!r}) cannot serve a {what}: a {what} takes mode "
+            f"{' or '.join(map(repr, wanted))} (prep.known_coloring of a {what} preparation)"
+        )
+    if known.shape != (m, n):
+        raise ValueError(
+            f"AutoSparse: the KnownColoring is for a {known.shape[0]} x {known.shape[1]} matrix, but this {what} is "
+            f"{m} x {n} (x.numel() = {n}): pass the prep.known_coloring of a preparation with these shapes"
+        )
+    return known.sets
+
+
+def _structurally_orthogonal(pattern: IndexSets, colors: np.ndarray) -> bool:
+    """Whether every stored column has a colour and no row holds two columns of one colour."""
+    cols = pattern.indices
+    if cols.size and colors[cols].min() < 0:
+        return False
+    k = max(int(colors.max(initial=-1)) + 1, 1)
+    keys = pattern.row_ids() * k + colors[cols]
+    return bool(np.unique(keys).size == keys.size)
+
+
+def _no_colors(mode: str, m: int, n: int) -> np.ndarray:
+    """The colours of an empty colouring (no pass): every column (rows in reverse mode) in none."""
+    return np.full(m if mode == "reverse" else n, -1, dtype=np.int64)
 
 
 class SparseRunner:
@@ -157,6 +304,8 @@ class SparseRunner:
         self.col = torch.zeros(0, dtype=torch.int64)
         self.shape = (0, 0)
         self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, TorchRecovery]] = {}
+        self.entries: dict[int, Any] = {}
+        self.checked_entries: dict[int, Any] = {}
 
     @property
     def num_compilations(self) -> int:
@@ -172,6 +321,15 @@ class SparseRunner:
         rows = column_coloring(pattern.transpose(), coloring) if reverse_ok else None
         n_columns = int(columns.max(initial=-1)) + 1 if columns is not None else None
         n_rows = int(rows.max(initial=-1)) + 1 if rows is not None else None
+        if isinstance(self.backend.dense, MixedMode) and coloring.decompression == "substitution":
+            # Star bicolouring with substitution (acyclic bicolouring) is not implemented: refused
+            # rather than silently giving the direct variant the user did not ask for.
+            raise ValueError(
+                "AutoSparse: bidirectional colouring (MixedMode jacobians) recovers entries directly only; "
+                "decompression='substitution' is for hessians. Use GreedyColoring(decompression='direct') for "
+                "MixedMode jacobians (hessians may keep substitution in another AutoSparse backend), or a "
+                "one-sided dense backend such as AutoFunc()"
+            )
         if isinstance(self.backend.dense, MixedMode) and pattern.nnz:
             # Bidirectional only when it needs fewer passes than both one-sided colourings.
             mixed_columns, mixed_rows = bidirectional_coloring(pattern, coloring)
@@ -189,6 +347,103 @@ class SparseRunner:
         assert rows is not None
         return "reverse", [("pullback", rows)], jacobian_recovery(pattern, rows, by_rows=True)
 
+    def _known_passes(self, known: KnownColoring, pattern: IndexSets, hessian: bool) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
+        """The passes and recovery of a ``KnownColoring``, refused when its colours cannot recover
+        every entry of its pattern or the dense backend cannot run its passes."""
+        mode = known.mode
+        if mode == "mixed" and not isinstance(self.backend.dense, MixedMode):
+            raise ValueError("AutoSparse: a KnownColoring with mode 'mixed' needs a MixedMode(forward, reverse) dense backend")
+        family = {"forward": "pushforward", "reverse": "pullback"}.get(mode)
+        if family is not None and family not in self.dense_native and ({"pushforward", "pullback"} - {family}) & self.dense_native:
+            raise ValueError(
+                f"AutoSparse: a KnownColoring with mode {mode!r} needs {family}s, which {self.backend.dense!r} does not "
+                "run natively; colour again (coloring=GreedyColoring()) for this dense backend"
+            )
+        invalid = ValueError(
+            f"AutoSparse: the KnownColoring's colours (mode {mode!r}) cannot recover every entry of its pattern: "
+            "pass the prep.known_coloring of a preparation unchanged, or colour again (coloring=GreedyColoring())"
+        )
+        if mode == "star":
+            recovery = star_recovery(pattern, known.colors[0])
+            if recovery is None:
+                raise invalid
+            return mode, [("hvp", known.colors[0])], recovery
+        if mode == "substitution":
+            try:
+                return mode, [("hvp", known.colors[0])], substitution_recovery(pattern, known.colors[0])
+            except ValueError:
+                raise invalid from None
+        if mode == "mixed":
+            columns, rows = known.colors
+            try:
+                recovery = bidirectional_recovery(pattern, columns, rows)
+            except ValueError:
+                raise invalid from None
+            return mode, [("pushforward", columns), ("pullback", rows)], recovery
+        by_rows = mode == "reverse"
+        colors = known.colors[0]
+        if not _structurally_orthogonal(pattern.transpose() if by_rows else pattern, colors):
+            raise invalid
+        return mode, [("pullback" if by_rows else "pushforward", colors)], jacobian_recovery(pattern, colors, by_rows=by_rows)
+
+    def _color_persisted(self, pattern: IndexSets, hessian: bool) -> tuple[str, list[tuple[str, np.ndarray]], Recovery, bool]:
+        """The colouring of ``pattern``, through the cache: ``(mode, passes, recovery, loaded)``.
+
+        A colouring is a function of the pattern, the colouring settings, the operator and the
+        dense backend (which directions it runs), so that is its key (the pattern by content).
+        The recovery is rebuilt from the loaded colours, as from fresh ones."""
+        store = _store(self.backend)
+        key = None
+        if store is not None:
+            digest = hashlib.sha256(pattern.indptr.astype(np.int64).tobytes() + b"|" + pattern.indices.astype(np.int64).tobytes()).hexdigest()
+            key = json.dumps([self.family, digest, pattern.nrows, pattern.ncols, repr(self.backend.coloring),
+                              repr(self.backend.dense), sorted(self.dense_native)])
+            payload = store.get("coloring", key)
+            unpacked = _unpack(payload) if payload is not None else None
+            if unpacked is not None:
+                restored = self._restore_coloring(pattern, *unpacked)
+                if restored is not None:
+                    return (*restored, True)
+        mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
+        if store is not None and key is not None:
+            arrays = {f"colors{i}": colors for i, (_, colors) in enumerate(passes)}
+            store.put("coloring", key, _pack(arrays, {"mode": mode, "families": [family for family, _ in passes]}))
+        return mode, passes, recovery, False
+
+    def _restore_coloring(self, pattern: IndexSets, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[str, list[tuple[str, np.ndarray]], Recovery] | None:
+        mode, families = meta.get("mode"), meta.get("families")
+        if not isinstance(families, list) or len(families) != len(arrays):
+            return None
+        passes: list[tuple[str, np.ndarray]] = []
+        for i, family in enumerate(families):
+            colors = arrays.get(f"colors{i}")
+            # Each pass colours columns (pushforward, hvp) or rows (pullback) of this pattern.
+            length = pattern.nrows if family == "pullback" else pattern.ncols
+            if colors is None or colors.dtype.kind != "i" or colors.shape != (length,):
+                return None
+            passes.append((str(family), colors.astype(np.int64)))
+        try:
+            if mode == "mixed":
+                (_, columns), (_, rows) = passes
+                recovery: Recovery | None = bidirectional_recovery(pattern, columns, rows)
+            elif mode in ("forward", "reverse"):
+                by_rows = mode == "reverse"
+                if not _structurally_orthogonal(pattern.transpose() if by_rows else pattern, passes[0][1]):
+                    return None  # jacobian_recovery does not check: colour afresh
+                recovery = jacobian_recovery(pattern, passes[0][1], by_rows=by_rows)
+            elif mode == "substitution":
+                recovery = substitution_recovery(pattern, passes[0][1])
+            elif mode == "star":
+                recovery = star_recovery(pattern, passes[0][1])
+            else:
+                return None
+        except Exception as error:  # colours of another layout: colour afresh
+            logger.debug("torchdi cache: a persisted colouring does not fit the pattern (%s); colouring afresh", error)
+            return None
+        if recovery is None:
+            return None
+        return str(mode), passes, recovery
+
     def _color_hessian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
         coloring = self.backend.coloring
         colors = symmetric_coloring(pattern, coloring)
@@ -204,12 +459,21 @@ class SparseRunner:
         start = time.perf_counter()
         n = self.spec.x.numel
         m = n if hessian else self.spec.y.numel
-        if m and n:
-            pattern, fallbacks = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
+        known = self.backend.coloring if isinstance(self.backend.coloring, KnownColoring) else None
+        fallbacks: tuple[str, ...]
+        if known is not None:  # computed before: no detection, no colouring (and nothing to persist)
+            pattern, fallbacks, detection_loaded = _known_pattern(known, m, n, hessian), (), True
+        elif m and n:
+            pattern, fallbacks, detection_loaded = _detect_persisted(self.backend, self.f, self.spec, x, contexts, hessian)
+            detection_loaded |= not isinstance(self.backend.sparsity, TracerSparsity)  # nothing to persist
         else:  # an empty x or f(x): the empty pattern, no colour, no pass
-            pattern, fallbacks = IndexSets.empty(m, n), ()
+            pattern, fallbacks, detection_loaded = IndexSets.empty(m, n), (), True
         detected = time.perf_counter()
-        mode, passes, recovery = (self._color_hessian if hessian else self._color_jacobian)(pattern)
+        if known is not None:
+            mode, passes, recovery = self._known_passes(known, pattern, hessian)
+            coloring_loaded = True
+        else:
+            mode, passes, recovery, coloring_loaded = self._color_persisted(pattern, hessian)
         colored = time.perf_counter()
         self.shape = (m, n)
         self.crow = torch.from_numpy(pattern.indptr.copy())
@@ -238,6 +502,8 @@ class SparseRunner:
         if compiled and self.passes:
             assert isinstance(dense, AutoCompile) and len(self.passes) == 1
             self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), dense, self.family, self.f)
+            if compiled_store(dense) is not None:  # the passes and the decompression persist as one program
+                self.fused.persist_key = program_key(f"sparse {self.family} {mode}", self.f, self.passes[0][1].shape, dense)
             warm_up(self.fused, x, self.passes[0][1], contexts)
         if hessian and n == 0:
             self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
@@ -245,8 +511,14 @@ class SparseRunner:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
             warm_up(self.gradient, x, None, contexts)
+        # Each runner's entry points, looked up once: checked_entry's isinstance on a runtime
+        # protocol costs ~10 us, a fifth of a prepared heat-equation call on inductor.
+        runners = [r for r, _ in self.passes] + [r for r in (self.fused, self.gradient) if r is not None]
+        self.entries = {id(r): r for r in runners}
+        self.checked_entries = {id(r): checked_entry(r) for r in runners}
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
+        stored_colors = tuple(c for _, c in passes) if mode == "mixed" else (passes[0][1] if passes else _no_colors(mode, m, n))
         ncolors = sum(int(c.max(initial=-1)) + 1 for _, c in passes)
         self.published = {
             "sparsity_pattern": pattern.to_torch(),
@@ -254,9 +526,12 @@ class SparseRunner:
             "colors": all_colors[0] if len(all_colors) == 1 else tuple(all_colors),
             "groups": tuple(torch.from_numpy(g) for _, c in passes for g in color_groups(c)),
             "sparse_mode": mode,
+            "known_coloring": known if known is not None else KnownColoring(pattern, stored_colors, mode),
             "sparsity_fallbacks": fallbacks,
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
+            # The pattern (when traced) and the colouring both came from the on-disk cache.
+            "loaded_from_cache": bool(detection_loaded and coloring_loaded and (self.fused is None or self.fused.persist_key is None or self.fused.loaded_from_cache)),
         }
 
     def _device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, TorchRecovery]:
@@ -279,8 +554,10 @@ class SparseRunner:
         if not self.prepared:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
 
+        entries = self.checked_entries if checked else self.entries
+
         def call(runner: Any, tangents: Any) -> Any:
-            return (checked_entry(runner) if checked else runner)(x, tangents, contexts)
+            return entries[id(runner)](x, tangents, contexts)
 
         if self.fused is not None:
             y, values = call(self.fused, self.passes[0][1])

@@ -90,7 +90,10 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
 def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     if now.is_meta:  # no values to compare: the version counter alone decides
         return True
-    now, before = unwrapped(now), unwrapped(before)
+    now_plain, before_plain = unwrapped(now), unwrapped(before)
+    if now_plain is None or before_plain is None:  # a torch that cannot unwrap (fence): the version counter decides
+        return True
+    now, before = now_plain, before_plain
     if torch.equal(now, before):
         return True
     if now.is_floating_point() or now.is_complex():  # NaN == NaN for this purpose

@@ -55,6 +55,7 @@ from torchdi.backends import (
     Backend,
     SecondOrder,
 )
+from torchdi.engines._dynamo import functorch_level, functorch_unwrapped
 from torchdi.errors import UnsupportedOperatorError
 
 __all__ = [
@@ -70,9 +71,7 @@ __all__ = [
     "unwrapped",
 ]
 
-_maybe_current_level: Callable[[], int | None] = torch._C._functorch.maybe_current_level
-_is_wrapped: Callable[[torch.Tensor], bool] = torch._C._functorch.is_functorch_wrapped_tensor
-_get_unwrapped: Callable[[torch.Tensor], torch.Tensor] = torch._C._functorch.get_unwrapped
+_maybe_current_level: Callable[[], int | None] = functorch_level
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 # The families whose AutoSparse result is a sparse CSR tensor (the others are the dense backend's).
@@ -215,12 +214,10 @@ def under_functorch_or_dynamo() -> bool:
     return _is_compiling() or _maybe_current_level() is not None
 
 
-def unwrapped(t: torch.Tensor) -> torch.Tensor:
+def unwrapped(t: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor under ``torch.func``'s wrappers (all batch entries of a ``vmap``ped tensor):
-    what a value comparison may read without a batching rule."""
-    while _is_wrapped(t):
-        t = _get_unwrapped(t)
-    return t
+    what a value comparison may read without a batching rule (``None``: this torch cannot unwrap)."""
+    return functorch_unwrapped(t)
 
 
 class _RefuseBackward(torch.autograd.Function):

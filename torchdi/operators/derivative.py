@@ -9,6 +9,7 @@ import torch
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
+from torchdi.families import DerivativeResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
@@ -43,10 +44,13 @@ def value_and_derivative(
     f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
     y: Any = None,
-) -> tuple[Any, Any]:
-    """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative."""
+) -> DerivativeResult:
+    """``(f(x), dy/dx)`` for a scalar ``x``; ``out=`` receives the derivative.
+
+    Returned as a ``DerivativeResult(value, derivative)`` NamedTuple (unpacks as a plain tuple).
+    """
     value, dy = run_operator("derivative", "value_and_derivative", in_place(f, y, "value_and_derivative", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
-    return write_value(value, y), write_out(dy, out, "value_and_derivative")
+    return DerivativeResult(write_value(value, y), write_out(dy, out, "value_and_derivative"))
 
 
 def derivative(

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
+from torchdi.families import GradientResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -57,18 +58,19 @@ def prepare_gradient(f: Callable[..., Any], backend: Backend, x: Any, *contexts:
 def value_and_gradient(
     f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
-) -> tuple[torch.Tensor, Any]:
-    """``(f(x), gradient)`` (value first, as in DifferentiationInterface.jl and JAX).
+) -> GradientResult:
+    """``(f(x), gradient)`` (value first, as in DifferentiationInterface.jl and JAX), as a
+    ``GradientResult(value, gradient)`` NamedTuple (unpacks as a pair).
 
     ``out=`` receives the gradient (same structure as ``x``).
 
     Example::
 
         >>> torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2))
-        (tensor(2.), tensor([2., 2.]))
+        GradientResult(value=tensor(2.), gradient=tensor([2., 2.]))
     """
     y, grad = run_operator("gradient", "value_and_gradient", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
-    return y, write_out(grad, out, "value_and_gradient")
+    return GradientResult(y, write_out(grad, out, "value_and_gradient"))
 
 
 def gradient(

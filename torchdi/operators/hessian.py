@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import Backend
 from torchdi.composition import outer_inner
 from torchdi.contexts import Context
+from torchdi.families import HessianResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -35,10 +36,13 @@ def prepare_hessian(f: Callable[..., Any], backend: Backend, x: torch.Tensor, *c
 def value_gradient_and_hessian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian."""
+) -> HessianResult:
+    """``(f(x), gradient, hessian)``; ``out=`` receives the Hessian.
+
+    Returned as a ``HessianResult(value, gradient, hessian)`` NamedTuple (unpacks as a plain tuple).
+    """
     y, grad, hess = run_operator("hessian", "value_gradient_and_hessian", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
-    return y, grad, write_out(hess, out, "value_gradient_and_hessian")
+    return HessianResult(y, grad, write_out(hess, out, "value_gradient_and_hessian"))
 
 
 def hessian(

@@ -8,6 +8,7 @@ from typing import Any
 from torchdi.backends import Backend
 from torchdi.composition import outer_inner
 from torchdi.contexts import Context
+from torchdi.families import HvpResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -36,10 +37,13 @@ def prepare_hvp(
 
 def gradient_and_hvp(
     f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False
-) -> tuple[Any, tuple[Any, ...]]:
-    """``(gradient, (H dx1, H dx2, ...))`` of the scalar ``f`` at ``x``."""
+) -> HvpResult:
+    """``(gradient, (H dx1, H dx2, ...))`` of the scalar ``f`` at ``x``.
+
+    Returned as a ``HvpResult(gradient, hvp)`` NamedTuple (unpacks as a plain tuple).
+    """
     grad, hvps = run_operator("hvp", "gradient_and_hvp", f, backend, x, tx, contexts, prep, has_aux=has_aux)
-    return grad, unbatch(hvps, len(tx))
+    return HvpResult(grad, unbatch(hvps, len(tx)))
 
 
 def hvp(

@@ -10,6 +10,7 @@ import torch
 from torchdi.backends import Backend
 from torchdi.composition import jacobian_uses_forward
 from torchdi.contexts import Context
+from torchdi.families import JacobianResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.operators.pushforward import _output_basis
@@ -46,10 +47,13 @@ def value_and_jacobian(
     f: Callable[..., Any], backend: Backend, x: torch.Tensor, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
     y: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``."""
+) -> JacobianResult:
+    """``(f(x), J)`` with ``J`` of shape ``y.shape + x.shape``; ``out=`` receives ``J``.
+
+    Returned as a ``JacobianResult(value, jacobian)`` NamedTuple (unpacks as a plain tuple).
+    """
     value, jac = run_operator("jacobian", "value_and_jacobian", in_place(f, y, "value_and_jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
-    return write_value(value, y), write_out(jac, out, "value_and_jacobian")
+    return JacobianResult(write_value(value, y), write_out(jac, out, "value_and_jacobian"))
 
 
 def jacobian(

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import Backend
 from torchdi.contexts import Context
+from torchdi.families import PullbackResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
@@ -49,8 +50,10 @@ def prepare_pullback(
 
 def value_and_pullback(
     f: Callable[..., Any], backend: Backend, x: Any, ty: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
-) -> tuple[Any, tuple[Any, ...]]:
+) -> PullbackResult:
     """``(f(x), (J^T dy1, J^T dy2, ...))``: the value and one vector-Jacobian product per cotangent.
+
+    Returned as a ``PullbackResult(value, dx)`` NamedTuple (unpacks as a plain tuple).
 
     Example::
 
@@ -59,7 +62,7 @@ def value_and_pullback(
         tensor([1., 1.])
     """
     value, dx = run_operator("pullback", "value_and_pullback", in_place(f, y, "value_and_pullback", has_aux, x), backend, x, ty, contexts, prep, has_aux=has_aux)
-    return write_value(value, y), unbatch(dx, len(ty))
+    return PullbackResult(write_value(value, y), unbatch(dx, len(ty)))
 
 
 def pullback(

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import Backend
 from torchdi.contexts import Context
 from torchdi.errors import UnsupportedOperatorError
+from torchdi.families import PushforwardResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result
 from torchdi.operators._inplace import in_place, write_value
 from torchdi.prep import Prep
@@ -50,8 +51,10 @@ def prepare_pushforward(
 
 def value_and_pushforward(
     f: Callable[..., Any], backend: Backend, x: Any, tx: tuple[Any, ...], *contexts: Context[Any], prep: Prep | None = None, has_aux: bool = False, y: Any = None
-) -> tuple[Any, tuple[Any, ...]]:
+) -> PushforwardResult:
     """``(f(x), (J dx1, J dx2, ...))``: the value and one Jacobian-vector product per tangent.
+
+    Returned as a ``PushforwardResult(value, dy)`` NamedTuple (unpacks as a plain tuple).
 
     Example::
 
@@ -60,7 +63,7 @@ def value_and_pushforward(
         tensor([1., 1.])
     """
     value, dy = run_operator("pushforward", "value_and_pushforward", in_place(f, y, "value_and_pushforward", has_aux, x), backend, x, tx, contexts, prep, has_aux=has_aux)
-    return write_value(value, y), unbatch(dy, len(tx))
+    return PushforwardResult(write_value(value, y), unbatch(dy, len(tx)))
 
 
 def pushforward(

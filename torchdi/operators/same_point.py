@@ -27,8 +27,8 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoAutograd, AutoCompile, AutoFunc, Backend
 from torchdi.contexts import Context
+from torchdi.engines._compiled import CompiledRunner
 from torchdi.engines.base import like_primal
-from torchdi.engines.compile import CompiledRunner
 from torchdi.operators._core import prepare_operator
 from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.runners import BoundFunction, Runner, Spec, build_runner

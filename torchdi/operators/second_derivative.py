@@ -10,6 +10,7 @@ import torch
 from torchdi.backends import Backend
 from torchdi.composition import outer_inner
 from torchdi.contexts import Context
+from torchdi.families import SecondDerivativeResult
 from torchdi.operators._core import prepare_operator, run_operator, with_aux_result, write_out
 from torchdi.prep import Prep
 from torchdi.runners import (
@@ -34,13 +35,16 @@ def prepare_second_derivative(f: Callable[..., Any], backend: Backend, x: Any, *
 def value_derivative_and_second_derivative(
     f: Callable[..., Any], backend: Backend, x: Any, *contexts: Context[Any], prep: Prep | None = None, out: Any = None,
     has_aux: bool = False,
-) -> tuple[Any, Any, Any]:
-    """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative."""
+) -> SecondDerivativeResult:
+    """``(f(x), dy/dx, d2y/dx2)`` for a scalar ``x``; ``out=`` receives the second derivative.
+
+    Returned as a ``SecondDerivativeResult(value, derivative, second_derivative)`` NamedTuple (unpacks as a plain tuple).
+    """
     y, dy, d2y = run_operator(
         "second_derivative", "value_derivative_and_second_derivative", f, backend, x, None, contexts, prep, has_aux=has_aux,
         detached=out is not None,
     )
-    return y, dy, write_out(d2y, out, "value_derivative_and_second_derivative")
+    return SecondDerivativeResult(y, dy, write_out(d2y, out, "value_derivative_and_second_derivative"))
 
 
 def second_derivative(

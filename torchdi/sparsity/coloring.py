@@ -81,11 +81,14 @@ class GreedyColoring:
         seed: the seed of the ``"random"`` order.
         postprocessing: after a star colouring, drop the colours that no entry is read from
             (neutral colours: those vertices join no seed). Fewer passes when the pattern has
-            no full diagonal; bidirectional colouring always does it.
+            no full diagonal; bidirectional colouring always does it. Not with
+            ``decompression="substitution"`` (a ``ValueError``).
         decompression: ``"direct"`` (star colouring, every hessian entry read from one HVP) or
             ``"substitution"`` (acyclic colouring, never more colours than star; entries solved
-            along two-coloured trees, with the rounding of a few additions). Jacobians are
-            always read directly.
+            along two-coloured trees, with the rounding of a few additions). One-sided jacobian
+            colourings are always read directly (each entry is alone in its colour group);
+            bidirectional colouring (``MixedMode`` jacobians) has no substitution variant here:
+            preparing one with ``"substitution"`` raises a ``ValueError``.
 
     A pattern whose optimal colouring is found without search (banded and dense ones: the
     columns modulo the band width, when a row fills the band) is coloured so whatever the order.
@@ -114,6 +117,16 @@ class GreedyColoring:
         if self.decompression not in ("direct", "substitution"):
             raise ValueError(
                 f"GreedyColoring: decompression must be 'direct' or 'substitution', got {self.decompression!r}"
+            )
+        if self.postprocessing and self.decompression == "substitution":
+            # Neutral colours of an acyclic colouring would have to keep every two-coloured
+            # structure a forest that substitution can solve: not implemented, so refused rather
+            # than silently ignored.
+            raise ValueError(
+                "GreedyColoring: postprocessing=True works with decompression='direct' (star colouring, and "
+                "bidirectional colouring for MixedMode); acyclic colouring (decompression='substitution') is not "
+                "post-processed. Pass one of them: GreedyColoring(postprocessing=True) or "
+                "GreedyColoring(decompression='substitution')"
             )
 
     @property

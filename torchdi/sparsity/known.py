@@ -9,7 +9,7 @@ import torch
 
 from torchdi.sparsity.index_sets import IndexSets
 
-__all__ = ["KnownSparsity", "known_sparsity"]
+__all__ = ["KnownColoring", "KnownSparsity", "known_sparsity"]
 
 
 class KnownSparsity:
@@ -87,3 +87,138 @@ def known_sparsity(detector: KnownSparsity, m: int, n: int, y_shape: tuple[int, 
     if hessian:  # the hessian is symmetric: an entry given on one side holds on both
         sets = IndexSets.union([sets, sets.transpose()])
     return sets
+
+
+_MODES = ("forward", "reverse", "mixed", "star", "substitution")
+
+
+class KnownColoring:
+    """A computed sparsity pattern and colouring, as plain data, to reuse without detection or colouring.
+
+    ``prep.known_coloring`` of an ``AutoSparse`` preparation is one; pass it back as
+    ``AutoSparse(dense, coloring=known)`` for the same ``f`` (and shapes): preparation then only
+    checks that the colouring is valid for its pattern and builds the passes. It pickles, and
+    ``to_dict()`` gives tensors, strings and ints that ``torch.save``/``torch.load(weights_only=True)``
+    take (``KnownColoring.from_dict`` reads them back).
+
+    Args:
+        pattern: the ``(m, n)`` pattern (flattened ``y`` by flattened ``x``; hessians ``(n, n)``,
+            symmetric): a sparse CSR/COO tensor (its stored entries), or a dense tensor or numpy
+            array (its non-zeros).
+        colors: the colours (``-1``: in no pass), an integer tensor or array: of the ``n``
+            columns (``mode="forward"``, ``"star"``, ``"substitution"``), of the ``m`` rows
+            (``"reverse"``), or a pair ``(column colours, row colours)`` (``"mixed"``, for a
+            ``MixedMode`` dense backend).
+        mode: ``"forward"``, ``"reverse"``, ``"mixed"`` (jacobians), ``"star"`` or
+            ``"substitution"`` (hessians), as ``prep.sparse_mode`` says.
+
+    As with ``KnownSparsity``, an entry missing from the pattern is taken as zero on every call
+    (``AutoSparse``'s ``sparsity=`` is not consulted). A colouring that cannot recover every entry
+    of the pattern is refused at preparation. Two ``KnownColoring`` with the same data are equal.
+
+    Example::
+
+        >>> prep = torchdi.prepare_jacobian(torch.diff, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(5))
+        >>> known = prep.known_coloring
+        >>> backend = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=known)
+        >>> torchdi.prepare_jacobian(torch.diff, backend, torch.ones(5)).ncolors
+        2
+    """
+
+    __slots__ = ("_hash", "colors", "mode", "sets")
+
+    def __init__(self, pattern: Any, colors: Any, mode: str) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"KnownColoring: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
+        if isinstance(pattern, IndexSets):
+            sets = pattern
+        else:
+            known = KnownSparsity(pattern)
+            if len(known.shape) != 2:
+                raise ValueError(f"KnownColoring: pattern must be 2-D (m, n), got shape {known.shape}")
+            sets = known.matrix(known.shape[0], known.shape[1])
+        m, n = sets.nrows, sets.ncols
+        if mode in ("star", "substitution") and m != n:
+            raise ValueError(f"KnownColoring: a {mode!r} (hessian) colouring needs a square pattern, got {m} x {n}")
+        parts = tuple(colors) if mode == "mixed" and isinstance(colors, (tuple, list)) else (colors,)
+        if mode == "mixed" and len(parts) != 2:
+            raise ValueError("KnownColoring: mode 'mixed' takes colors=(column colours, row colours)")
+        lengths = (n, m) if mode == "mixed" else ((m,) if mode == "reverse" else (n,))
+        arrays = []
+        for part, length, what in zip(parts, lengths, ("colors" if mode != "mixed" else "column colours", "row colours")):
+            array = np.asarray(part.detach().cpu() if isinstance(part, torch.Tensor) else part)
+            if array.dtype.kind not in "iu" or array.shape != (length,) or (array.size and array.min() < -1):
+                raise ValueError(
+                    f"KnownColoring: {what} must be {length} integers >= -1 (one per "
+                    f"{'row' if what == 'row colours' or mode == 'reverse' else 'column'}), got "
+                    f"{array.dtype} of shape {array.shape}"
+                )
+            arrays.append(array.astype(np.int64).copy())
+        self.sets = sets
+        self.colors: tuple[np.ndarray, ...] = tuple(arrays)
+        self.mode = mode
+        self._hash = hash((m, n, sets.nnz, mode, tuple(a.tobytes() for a in arrays)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.sets.nrows, self.sets.ncols)
+
+    @property
+    def ncolors(self) -> int:
+        """The number of compressed passes."""
+        return sum(int(c.max(initial=-1)) + 1 for c in self.colors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Tensors, strings and ints only (``torch.load(weights_only=True)`` reads them back)."""
+        return {
+            "shape": list(self.shape),
+            "crow_indices": torch.from_numpy(self.sets.indptr.copy()),
+            "col_indices": torch.from_numpy(self.sets.indices.copy()),
+            "colors": [torch.from_numpy(c.copy()) for c in self.colors],
+            "mode": self.mode,
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> KnownColoring:
+        """The ``KnownColoring`` that ``to_dict`` described."""
+        try:
+            m, n = (int(s) for s in data["shape"])
+            indptr = np.asarray(data["crow_indices"], dtype=np.int64)
+            indices = np.asarray(data["col_indices"], dtype=np.int64)
+            colors, mode = list(data["colors"]), str(data["mode"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"KnownColoring.from_dict: not a KnownColoring.to_dict() result ({error})") from None
+        valid = (
+            indptr.shape == (m + 1,) and indptr[0] == 0 and np.all(np.diff(indptr) >= 0) and indptr[-1] == indices.size
+            and (indices.size == 0 or (indices.min() >= 0 and indices.max() < n))
+        )
+        if not valid:
+            raise ValueError("KnownColoring.from_dict: crow_indices/col_indices do not form an (m, n) CSR pattern")
+        rows = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
+        sets = IndexSets.from_pairs(rows, indices, m, n)
+        return KnownColoring(sets, colors if mode == "mixed" else colors[0], mode)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KnownColoring):
+            return NotImplemented
+        return (
+            self.mode == other.mode
+            and self.sets == other.sets
+            and len(self.colors) == len(other.colors)
+            and all(np.array_equal(a, b) for a, b in zip(self.colors, other.colors))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        restored = KnownColoring.from_dict(state)
+        for name in KnownColoring.__slots__:
+            object.__setattr__(self, name, getattr(restored, name))
+
+    def __repr__(self) -> str:
+        m, n = self.shape
+        return f"KnownColoring(shape=({m}, {n}), nnz={self.sets.nnz}, mode={self.mode!r}, ncolors={self.ncolors})"

@@ -1,9 +1,10 @@
 """``TracerSparsity``: a global, conservative sparsity pattern from ``f``'s aten graph.
 
-``f`` is traced once with ``make_fx`` (functionalized: in-place writes become ``*_scatter``
-ops; views stay views, because removing them loses the storage offsets that autograd's backward
-of a write into a slice reads through ``as_strided``) and the graph is interpreted on *index
-sets*: for every element of every tensor, the set of flat input indices it may depend on. The
+``f`` is run once (functionalized: in-place writes become ``*_scatter`` ops; views stay views,
+because removing them loses the storage offsets that autograd's backward of a write into a slice
+reads through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
+interprets it on *index sets*: for every element of every tensor, the set of flat input indices
+it may depend on. The
 pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
 contexts (floats and numpy values are traced as tensors, as compiled backends trace them).
 Values that are fixed (tensors ``f`` creates or closes over, and what is computed from them
@@ -41,12 +42,13 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi.sparsity._private import op_schema, overload_name, recording
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.translate import to_device_tensor
 
@@ -90,7 +92,6 @@ def trace_sparsity(
     """The jacobian pattern of ``f(x, contexts)`` (or, with ``hessian``, the hessian pattern of the
     scalar ``f``: the jacobian pattern of its gradient), with ``x`` and ``y`` flattened."""
     from torch.func import functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = pytree.tree_flatten(contexts)
     # Context values are never read, only their shapes: a Constant may change between calls.
@@ -111,19 +112,18 @@ def trace_sparsity(
             slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or (as_tensors and i in converted)]
             # Own copies: the interpreter replays writes (a Cache written by f) on them.
             tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
+            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
+            # numpy methods): any tensor f creates may hold them, so none is read.
+            interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
             try:
                 with warnings.catch_warnings():
                     # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
                     warnings.filterwarnings("ignore", message="To copy construct from a tensor")
                     traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
-                    graph = make_fx(traceable, tracing_mode="real")(x, *tensors)
+                    return interpreter.run(traceable, x, tensors)
             except Exception as failure:
                 error = error or failure
                 continue
-            # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
-            # numpy methods): any tensor f creates may hold them, so none is read.
-            interpreter = _Interpreter(graph, x.numel(), read_created=as_tensors, varying=varying)
-            return interpreter.run(x, tensors)
     assert error is not None
     raise RuntimeError(
         "TracerSparsity: cannot trace f into an aten graph: "
@@ -215,9 +215,32 @@ _CONTRACTIONS = {"mm", "bmm", "mv", "dot", "addmm", "baddbmm", "addmv", "matmul"
 _MAX_PAIRS = 30_000_000
 
 
+# Aten arguments and results nest only in lists and tuples (kwargs: one dict): these walk them
+# without pytree, whose generic node lookup was half of the interpreter's time.
+def _leaves(obj: Any) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts, ``None`` included (so two structures align)."""
+    if isinstance(obj, (list, tuple)):
+        return [leaf for item in obj for leaf in _leaves(item)]
+    if isinstance(obj, dict):
+        return [leaf for item in obj.values() for leaf in _leaves(item)]
+    return [obj]
+
+
+def _map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """``fn`` on every leaf of nested lists and tuples (``None`` stays ``None``)."""
+    if isinstance(obj, (list, tuple)):
+        mapped = [_map(fn, item) for item in obj]
+        return mapped if isinstance(obj, list) else tuple(mapped)
+    return None if obj is None else fn(obj)
+
+
+def _refs_in(refs: Any) -> list[_Ref]:
+    return [r for r in _leaves(refs) if isinstance(r, _Ref)]
+
+
 def _remember(value: Any, refs: Any) -> None:
     """Record, for every store that a result created, the real tensor holding its elements."""
-    for v, r in zip(pytree.tree_leaves(value), pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref))):
+    for v, r in zip(_leaves(value), _leaves(refs)):
         if isinstance(v, torch.Tensor) and isinstance(r, _Ref) and r.positions is None and r.store.value is None:
             r.store.value = v
 
@@ -249,6 +272,20 @@ def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: 
     return flat
 
 
+_SCALAR_ARGUMENTS: dict[Any, dict[str, bool]] = {}
+
+
+def _scalar_arguments(target: Any) -> dict[str, bool]:
+    """Which of an op's arguments are numbers (a padding or fill value), by name, in order (cached:
+    reading the schema's types costs more than the op itself)."""
+    found = _SCALAR_ARGUMENTS.get(target)
+    if found is None:
+        found = _SCALAR_ARGUMENTS[target] = {
+            a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in op_schema(target).arguments
+        }
+    return found
+
+
 def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     """``indices`` in a tensor with ``like``'s sizes, strides and storage offset (``None``: cannot)."""
     try:
@@ -261,70 +298,116 @@ def _mirror(indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Interpreter:
-    def __init__(self, graph: torch.fx.GraphModule, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
-        self.graph = graph
+    """Index sets for every tensor ``f`` computes, op by op, while ``f`` runs (once, on real values).
+
+    The ops are seen by a dispatch mode rather than read from a ``make_fx`` graph: building the
+    graph (proxies, fake-tensor metadata per node) cost about 4x the rules themselves on small
+    functions, and the graph was then run a second time to get the values the rules read.
+    """
+
+    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
         self.n = n
         self.fallbacks: list[str] = []
         # False: the values of tensors f creates or closes over are not read (they may hold a
         # context's value); ``varying``: storages of such tensors (a module context's parameters).
         self.read_created = read_created
         self.varying = varying or set()
+        # id(tensor) -> (tensor, refs): the tensor is held, so its id is not reused during the run.
+        self.known: dict[int, tuple[torch.Tensor, _Ref]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def empty(self, numel: int) -> IndexSets:
         return IndexSets.empty(numel, self.n)
 
-    def run(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> TracerResult:
-        env: dict[torch.fx.Node, Any] = {}  # node -> (real value, refs)
-        placeholders = iter([x, *tensors])
-        first = True
-        output: Any = None
-        for node in self.graph.graph.nodes:
-            if node.op == "placeholder":
-                value = next(placeholders)
-                sets = IndexSets.identity(self.n) if first else self.empty(value.numel())
-                env[node] = (value, _Ref(_Store(sets, fixed=False)))
-                first = False
-            elif node.op == "get_attr":
-                value = getattr(self.graph, str(node.target))
-                fixed = self.read_created and isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.varying
-                refs = _Ref(_Store(self.empty(value.numel()), fixed=fixed)) if isinstance(value, torch.Tensor) else None
-                env[node] = (value, refs)
-            elif node.op == "call_function":
-                env[node] = self.call(node, env)
-            elif node.op == "output":
-                output = node.args[0]
-            if node in env:
-                _remember(*env[node])
-        result = output[0] if isinstance(output, (tuple, list)) else output
-        value, ref = env[result]
-        pattern = ref.sets() if isinstance(ref, _Ref) else self.empty(value.numel())
-        return TracerResult(pattern, tuple(dict.fromkeys(self.fallbacks)))
+    def run(self, traceable: Callable[..., Any], x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> TracerResult:
+        self.register(x, _Ref(_Store(IndexSets.identity(self.n), fixed=False)))
+        for t in tensors:
+            self.register(t, _Ref(_Store(self.empty(t.numel()), fixed=False)))
+        mode = recording(self.call)
+        if mode is not None:
+            with mode:
+                output = traceable(x, *tensors)
+        else:  # no dispatch modes in this torch: record the graph, then replay it op by op
+            # Imported when needed: slow to import.
+            from torch.fx.experimental.proxy_tensor import make_fx
 
-    def call(self, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> tuple[Any, Any]:
-        args = pytree.tree_map_only(torch.fx.Node, lambda a: env[a][0], (node.args, node.kwargs))
-        refs = pytree.tree_map_only(torch.fx.Node, lambda a: env[a][1], (node.args, node.kwargs))
-        target = node.target
-        if target is operator.getitem:
-            value = args[0][0][args[0][1]]
-            return value, refs[0][0][args[0][1]]
-        value = target(*args[0], **args[1])  # type: ignore[operator]  # call_function targets are callables
-        if not isinstance(target, torch._ops.OpOverload):
-            return value, self.fallback(str(target), value, refs, fixed=False)
-        name = target.overloadpacket.__name__
-        schema = target._schema
+            output = self.replay(make_fx(traceable, tracing_mode="real")(x, *tensors), x, tensors)
+        result = _leaves(output)[0]
+        ref = self.ref_of(result)
+        return TracerResult(ref.sets(), tuple(dict.fromkeys(self.fallbacks)))
+
+    def replay(self, graph: torch.fx.GraphModule, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run a recorded graph's ops through ``call`` (the values are recomputed from the inputs)."""
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter([x, *tensors])
+        output: Any = None
+        for node in graph.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "get_attr":  # a tensor f closed over: a constant to ref_of
+                env[node] = getattr(graph, str(node.target))
+            elif node.op == "call_function":
+                args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__, (node.args, node.kwargs))
+                env[node] = args[0][args[1]] if node.target is operator.getitem else self.call(node.target, args, kwargs)
+            elif node.op == "output":
+                output = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
+        return output
+
+    def register(self, value: Any, refs: Any) -> None:
+        """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
+        _remember(value, refs)
+        for v, r in zip(_leaves(value), _leaves(refs)):
+            if isinstance(v, torch.Tensor) and isinstance(r, _Ref):
+                self.known[id(v)] = (v, r)
+
+    def ref_of(self, tensor: torch.Tensor) -> _Ref:
+        """The refs of a tensor the run has seen; otherwise a tensor created before the run
+        (closed over by ``f``): it depends on nothing, and is fixed unless it is a module's."""
+        found = self.known.get(id(tensor))
+        if found is not None and found[0] is tensor:
+            return found[1]
+        try:
+            varying = tensor.untyped_storage().data_ptr() in self.varying
+        except Exception:  # no storage to compare (a tensor subclass): take it as varying
+            varying = True
+        ref = _Ref(_Store(self.empty(tensor.numel()), fixed=self.read_created and not varying))
+        self.register(tensor, ref)
+        return ref
+
+    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
+        def ref(a: Any) -> Any:
+            return self.ref_of(a) if isinstance(a, torch.Tensor) else a
+
+        refs = (_map(ref, positional), {k: _map(ref, v) for k, v in keywords.items()})
+        value = target(*positional, **keywords)
+        if any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
+            # A Python number read from x or a context (.item(), if on a tensor): what f does next
+            # depends on the value, so no pattern from this one run holds for every x.
+            raise RuntimeError(
+                f"f reads a value computed from x or a context ({target}): data-dependent Python control flow"
+            )
+        args = (tuple(positional), keywords)
+        refs = (tuple(refs[0]), refs[1])
+        schema = op_schema(target)
+        if schema is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
+            self.register(value, self.fallback(str(target), value, refs, fixed=False))
+            return value
+        name = cast(Any, target).overloadpacket.__name__
         if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
-            return value, self.write(target, name, value, args, refs)
-        if schema.returns and schema.returns[0].alias_info is not None:
-            return value, self.view(target, value, args, refs)
-        return value, self.functional(target, name, value, args, refs)
+            result = self.write(target, name, value, args, refs)
+        elif schema.returns and schema.returns[0].alias_info is not None:
+            result = self.view(target, value, args, refs)
+        else:
+            result = self.functional(target, name, value, args, refs)
+        self.register(value, result)
+        return value
 
     def fixed_inputs(self, refs: Any) -> bool:
-        return all(r.fixed for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref))
+        return all(r.fixed for r in _refs_in(refs))
 
     def fallback(self, name: str, value: Any, refs: Any, fixed: bool) -> Any:
         """Every output element depends on every input element."""
-        inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
+        inputs = _refs_in(refs)
         columns = np.concatenate([r.sets().indices for r in inputs]) if inputs else np.zeros(0, dtype=np.int64)
         union = IndexSets.from_pairs(np.zeros(columns.size, dtype=np.int64), columns, 1, self.n)  # one row: all of them
         if union.nnz:
@@ -337,7 +420,7 @@ class _Interpreter:
                 return _Ref(_Store(self.empty(v.numel()), fixed))
             return _Ref(_Store(union.take(np.zeros(v.numel(), dtype=np.int64)), fixed))
 
-        return pytree.tree_map(one, value)
+        return _map(one, value)
 
     # -- in-place writes and views -----------------------------------------------------------------
     def write(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
@@ -347,7 +430,7 @@ class _Interpreter:
             new = self.broadcast(src, args[0][1], value.shape) if isinstance(src, _Ref) else self.empty(value.numel())
             fixed = src.fixed if isinstance(src, _Ref) else self.read_created
         else:
-            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), target._overloadname, None)
+            functional = getattr(getattr(torch.ops.aten, name.rstrip("_"), None), overload_name(target) or "default", None)
             if functional is None:
                 result = self.fallback(name, value, refs, fixed=False)
             else:
@@ -377,11 +460,11 @@ class _Interpreter:
             moved = target(positions, *args[0][1:], **args[1])
         except Exception:
             return self.fallback(str(target), value, refs, fixed=False)
-        return pytree.tree_map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
+        return _map(lambda p: _Ref(base, p.reshape(-1).numpy().astype(np.int64)), moved)
 
     def strided(self, target: Any, args: Any, store: _Store) -> np.ndarray | None:
         """The store positions an ``as_strided``/``as_strided_copy`` call reads."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, args[0])) | args[1]
         return _storage_positions(store, bound["self"], bound["size"], bound["stride"], bound.get("storage_offset"))
 
@@ -390,11 +473,11 @@ class _Interpreter:
         fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
         if torch.Tag.nondeterministic_seeded in target.tags:
             fixed = False
-        inputs = [r for r in pytree.tree_leaves(refs, is_leaf=lambda r: isinstance(r, _Ref)) if isinstance(r, _Ref)]
-        outputs = pytree.tree_leaves(value)
+        inputs = _refs_in(refs)
+        outputs = _leaves(value)
         float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs)
         if not float_out or name in _ZERO_DERIVATIVE or all(r.store.sets.nnz == 0 for r in inputs):
-            return pytree.tree_map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
+            return _map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
         (positional, keywords) = args
         (ref_pos, ref_kw) = refs
         if name in _SAME_SETS and isinstance(value, torch.Tensor) and value.shape == positional[0].shape:
@@ -416,7 +499,7 @@ class _Interpreter:
         elif name in _MOVEMENT:
             sets = self.movement(target, name, value, positional, keywords, ref_pos, ref_kw)
             if sets is not None:
-                return pytree.tree_map(lambda s: _Ref(_Store(s, fixed)), sets)
+                return _map(lambda s: _Ref(_Store(s, fixed)), sets)
         elif name == "mul" and len(positional) == 2:
             return _Ref(_Store(self.pointwise(value.shape, positional, ref_pos, masks=True), fixed))
         elif torch.Tag.pointwise in target.tags and isinstance(value, torch.Tensor):
@@ -424,7 +507,7 @@ class _Interpreter:
         elif name in _REDUCTIONS:
             sets = self.reduction(target, value, positional, keywords, ref_pos)
             if sets is not None:
-                return pytree.tree_map(
+                return _map(
                     lambda v: _Ref(_Store(sets if v.is_floating_point() or v.is_complex() else self.empty(v.numel()), fixed)),
                     value,
                 )
@@ -505,7 +588,7 @@ class _Interpreter:
             return None
         # A scalar written into the result (padding value, masked_fill/scatter/where value) is no
         # input element: it becomes index 0.
-        scalar = {a.name: str(a.type).replace("Optional[", "") in ("number]", "number", "Scalar") for a in target._schema.arguments}
+        scalar = _scalar_arguments(target)
         names = list(scalar)
         pos = [0 if i < len(names) and scalar[names[i]] and a is not None else a for i, a in enumerate(pos)]
         kw = {k: 0 if scalar.get(k) and v is not None else v for k, v in kw.items()}
@@ -518,7 +601,7 @@ class _Interpreter:
             moved = target(*pos, **kw)
         except Exception:
             return None
-        results = [t for t in pytree.tree_leaves(moved) if isinstance(t, torch.Tensor)]
+        results = [t for t in _leaves(moved) if isinstance(t, torch.Tensor)]
         if any(t.is_floating_point() or t.is_complex() or (t.numel() and (t.min() < 0 or t.max() >= offset[0])) for t in results):
             return None  # not a pure movement of elements after all: let the dense rule answer
 
@@ -528,11 +611,11 @@ class _Interpreter:
                 return union.take(np.zeros(indices.numel(), dtype=np.int64))
             return stacked.take(indices.reshape(-1).numpy().astype(np.int64) - 1)
 
-        return pytree.tree_map(lambda t: sets_of(t) if isinstance(t, torch.Tensor) else None, moved)
+        return _map(lambda t: sets_of(t) if isinstance(t, torch.Tensor) else None, moved)
 
     def reduction(self, target: Any, value: Any, positional: Any, keywords: Any, ref_pos: Any) -> IndexSets | None:
         """Union over the reduced dimensions, broadcast back for ops that keep the shape (softmax)."""
-        names = [a.name for a in target._schema.arguments]
+        names = [a.name for a in op_schema(target).arguments]
         bound = dict(zip(names, positional)) | keywords
         operands = [(a, r) for a, r in zip(positional, ref_pos) if isinstance(a, torch.Tensor) and isinstance(r, _Ref)]
         shape = operands[0][0].shape
@@ -551,7 +634,7 @@ class _Interpreter:
         n_groups = int(np.prod(reduced)) if reduced else 1
         owner = torch.arange(n_groups).reshape(reduced).expand(shape).reshape(-1).numpy() if ndim else np.zeros(1, dtype=np.int64)
         grouped = IndexSets.union([r.sets().group(owner, n_groups) for _, r in operands])
-        out = pytree.tree_leaves(value)[0]
+        out = _leaves(value)[0]
         if out.numel() == n_groups:
             return grouped
         if tuple(out.shape) == tuple(shape):

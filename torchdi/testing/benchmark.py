@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 import torchdi
 from torchdi.backends import AutoFiniteDiff, SecondOrder, unavailable_reason
 from torchdi.errors import UnsupportedOperatorError
+from torchdi.families import as_plain_tuple
 from torchdi.testing.compare import _describe_error, normalize_backends
 from torchdi.testing.scenarios import (
     Scenario,
@@ -89,8 +90,8 @@ class BenchmarkRow:
 def relative_error(result: Any, expected: Any) -> float:
     """The largest ``max|result - expected| / max|expected|`` over the leaves (inf on a mismatch of
     structure, shape or NaNs)."""
-    got_leaves, got_spec = pytree.tree_flatten(result)
-    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    got_leaves, got_spec = pytree.tree_flatten(as_plain_tuple(result))
+    exp_leaves, exp_spec = pytree.tree_flatten(as_plain_tuple(expected))
     if got_spec != exp_spec:
         return math.inf
     worst = 0.0

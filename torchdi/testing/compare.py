@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import unavailable_reason
 from torchdi.contexts import Constant, Context
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
+from torchdi.families import as_plain_tuple
 from torchdi.testing.scenarios import (
     Scenario,
     call_operator,
@@ -74,8 +75,8 @@ def compare_results(result: Any, expected: Any, *, rtol: float, atol: float) -> 
     Structures must be equal (tuple vs tensor, dict keys); each tensor must have the expected
     shape and dtype and satisfy ``|result - expected| <= atol + rtol * |expected|`` (NaNs equal).
     """
-    got_leaves, got_spec = pytree.tree_flatten_with_path(result)
-    exp_leaves, exp_spec = pytree.tree_flatten_with_path(expected)
+    got_leaves, got_spec = pytree.tree_flatten_with_path(as_plain_tuple(result))
+    exp_leaves, exp_spec = pytree.tree_flatten_with_path(as_plain_tuple(expected))
     if got_spec != exp_spec:
         return f"structure differs: got {_structure(result)}, expected {_structure(expected)}"
     problems = []
@@ -123,8 +124,8 @@ def _structure(tree: Any) -> str:
 
 
 def _bit_identical(a: Any, b: Any) -> bool:
-    a_leaves, a_spec = pytree.tree_flatten(a)
-    b_leaves, b_spec = pytree.tree_flatten(b)
+    a_leaves, a_spec = pytree.tree_flatten(as_plain_tuple(a))
+    b_leaves, b_spec = pytree.tree_flatten(as_plain_tuple(b))
     if a_spec != b_spec:
         return False
     for x, y in zip(a_leaves, b_leaves):

@@ -1,4 +1,9 @@
-"""``AutoCompile``: the inner backend's runner, compiled once with ``torch.compile`` at preparation.
+"""The compiled runner: a runner compiled once with ``torch.compile`` at preparation.
+
+The base every compiled path shares: ``AutoCompile``'s engine (``engines/autocompile.py``)
+compiles the inner backend's runner with it, ``AutoSparse`` over ``AutoCompile`` its compressed
+passes and decompression, ``DataParallel`` its gather, gradient and reduction, and the
+same-point preparations their folded runners. It sits below all of them (it imports no engine).
 
 What is traced follows one rule: every leaf of ``x``, of the tangents and of the contexts goes
 through ``to_device_tensor``; what comes out as a tensor is a graph input (its value may change
@@ -16,36 +21,48 @@ evaluation would run, minus its per-call machinery. When no entry's guards pass,
 through ``torch.compile``'s entry point, which recompiles; the recompilation is counted and
 logged with the guard that failed, in dynamo's words.
 
+Persisted preparations (``AutoCompile(cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): the compiled
+artifacts of a preparation (torch's Mega-Cache: AOTAutograd's and inductor's FX graph cache
+entries, ``torch.compiler.save_cache_artifacts``) are stored in ``torchdi.cache`` under a key of
+the program (f and what it reads, the signature, the backend's settings), and loaded into torch's
+caches before a later preparation of the same program compiles. Dynamo still traces ``f`` and
+builds its guards from that trace, and those caches are keyed by the traced graph itself: what is
+loaded can only make compilation faster, never change a result (rule 7 holds by construction).
+
 Each preparation owns its dynamo cache (a code object of its own), so its recompile limit is its
 own business, and everything it compiled is freed with it (rule 9).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
-from torchdi.composition import refuse_compiled_double_backward
+from torchdi.cache import ENV_DIR, Store, store_for
 from torchdi.engines._dynamo import (
-    GRAPH_BREAK_ERRORS,
     RECOMPILE_LIMIT,
     DynamoCache,
+    artifact_scope,
+    compile_cache_counts,
     compile_function,
+    compiler_failure_errors,
     compiler_for,
     config_value,
+    dynamo_user_errors,
     forget_float_specializations,
     fresh_entry_point,
+    graph_break_errors,
     release,
 )
-from torchdi.engines.base import ALL_FAMILIES
-from torchdi.runners import build_runner, register_engine
+from torchdi.fingerprint import fingerprint
 from torchdi.translate import (
     copyto_,
     float_positions,
@@ -53,7 +70,7 @@ from torchdi.translate import (
     to_device_tensor,
 )
 
-__all__ = ["CompileEngine", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
+__all__ = ["CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
 
@@ -127,12 +144,30 @@ def inductor_options(options: dict[str, Any] | None) -> dict[str, Any]:
 
     Example::
 
-        >>> from torchdi.engines.compile import inductor_options
+        >>> from torchdi.engines._compiled import inductor_options
         >>> inductor_options({"cpp_wrapper": True})  # with TORCHINDUCTOR_LAYOUT_OPTIMIZATION unset
         {'layout_optimization': False, 'cpp_wrapper': True}
     """
     defaults = {} if "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ else {"layout_optimization": False}
     return {**defaults, **(options or {})}
+
+
+def compiled_store(backend: AutoCompile) -> Store | None:
+    """Where ``backend``'s compiled artifacts persist: ``cache_dir`` when given (``""``: nowhere),
+    else ``TORCHDI_CACHE_DIR`` when set, else nowhere (opt-in: see the README)."""
+    if backend.cache_dir is not None:
+        return store_for(backend.cache_dir)
+    if os.environ.get(ENV_DIR):
+        return store_for(None)
+    return None
+
+
+def program_key(family: str, f: Any, spec: Any, backend: AutoCompile) -> str:
+    """The key of a compiled program: the operator, f (``torchdi.fingerprint``, else its name:
+    the artifacts are keyed by graph in torch's caches, so a coarse key costs a miss, never a
+    wrong program), the signature and the backend's settings."""
+    function = fingerprint(f, tensor_values=False) or getattr(f, "function_name", None) or repr(type(f))
+    return json.dumps([family, function, repr(spec), repr(backend)])
 
 
 class _CountingCompiler:
@@ -220,6 +255,10 @@ class CompiledRunner:
         # copied to the compiled layout must have its update copied back.
         self.state_contexts = state_contexts
         self.autocast: dict[str, torch.dtype] = {}
+        # Persistence (torchdi.cache): the program's key, set by the engine that builds the runner
+        # (None: not persisted), and whether preparation reused persisted artifacts.
+        self.persist_key: str | None = None
+        self.loaded_from_cache = False
         self._cache: DynamoCache | None = None
         # CUDA graphs replay on fixed addresses: with mode="reduce-overhead" the runner owns
         # static input buffers, filled in place each call, and clones the outputs it returns
@@ -255,8 +294,43 @@ class CompiledRunner:
             cause,
         )
 
+    @property
+    def published(self) -> dict[str, Any]:
+        """``prep.loaded_from_cache``: whether this preparation's compilation reused persisted
+        artifacts (AOTAutograd / FX graph cache hits, and no miss)."""
+        return {"loaded_from_cache": self.loaded_from_cache}
+
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
-        """Compile for these arguments' signatures (called once by ``prepare_*``)."""
+        """Compile for these arguments' signatures (called once by ``prepare_*``), loading the
+        program's persisted artifacts first and persisting them after, when a cache is on."""
+        store = compiled_store(self.backend) if self.persist_key is not None else None
+        if store is None or self.persist_key is None:
+            self._warm_up(x, tangents, contexts)
+            return
+        loaded = False
+        payload = store.get("compiled", self.persist_key)
+        if payload is not None:
+            try:
+                loaded = torch.compiler.load_cache_artifacts(payload) is not None
+            except Exception as error:  # artifacts torch cannot read: compile from scratch
+                logger.debug("torchdi cache: torch could not load the persisted artifacts of the %s (%s)", self.name, error)
+        before = compile_cache_counts()
+        with artifact_scope():
+            self._warm_up(x, tangents, contexts)
+            after = compile_cache_counts()
+            reused = None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
+            self.loaded_from_cache = loaded and (reused is None or (reused[0] > 0 and reused[1] == 0))
+            if self.loaded_from_cache:
+                return
+            try:
+                saved = torch.compiler.save_cache_artifacts()
+            except Exception as error:
+                logger.debug("torchdi cache: torch could not save the artifacts of the %s (%s)", self.name, error)
+                return
+        if saved is not None:  # None: the compiler keeps no artifacts (aot_eager, eager)
+            store.put("compiled", self.persist_key, saved[0])
+
+    def _warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
         self.autocast = _autocast_state()
         self.float_positions = float_positions(contexts)
         self.translate = _needs_translation(contexts)
@@ -285,7 +359,7 @@ class CompiledRunner:
             # variant is prepared on its first call, inside a user's fail_on_recompile block).
             with torch.compiler.set_stance("default"):
                 self._through_dynamo(x, tangents, contexts)
-        except GRAPH_BREAK_ERRORS as error:
+        except graph_break_errors() as error:
             reason = str(error).strip().splitlines()
             raise RuntimeError(
                 f"AutoCompile(fullgraph={self.backend.fullgraph}): torch.compile cannot capture the "
@@ -295,7 +369,7 @@ class CompiledRunner:
                 "causes), or use AutoCompile(fullgraph=False), which compiles the pieces between graph "
                 "breaks (preparation then logs how much was captured)."
             ) from error
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except compiler_failure_errors() as error:
             if self.backend.compiler != "inductor":
                 raise
             # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
@@ -306,7 +380,7 @@ class CompiledRunner:
                 f"AutoCompile: inductor failed inside torch while compiling the {self.name} (an error of torch's "
                 f"compiler on this graph, not of f): {failure}\n{_aot_eager_verdict(entry, (x, tangents, contexts), self.backend.fullgraph)}"
             ) from error
-        except torch._dynamo.exc.UserError as error:
+        except dynamo_user_errors() as error:
             # Dynamo's refusals of the function itself, the data-dependent guard above all
             # (a Python float computed from a tensor's value, such as BatchNorm's momentum=None
             # average 1 / num_batches_tracked): as unsupported as a graph break.
@@ -416,26 +490,3 @@ def _needs_translation(tree: Any) -> bool:
         not isinstance(leaf, torch.Tensor) and to_device_tensor(leaf, None) is not leaf
         for leaf in pytree.tree_leaves(tree)
     )
-
-
-class CompileEngine:
-    """Builds the inner backend's runner and compiles it."""
-
-    native: ClassVar[frozenset[str]] = ALL_FAMILIES
-    keeps_static: ClassVar[bool] = True
-
-    def __init__(self, backend: AutoCompile) -> None:
-        self.backend = backend
-
-    def build(self, family: str, f: Any, spec: Any) -> Any:
-        refuse_compiled_double_backward(self.backend, family, spec)
-        inner = build_runner(self.backend.inner, family, f, spec)
-        return CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
-
-    @staticmethod
-    def contexts_seen_by_f(values: tuple[Any, ...]) -> tuple[Any, ...]:
-        """What ``f`` receives as contexts inside the compiled program (for preparation's own call)."""
-        return traced_view(values)
-
-
-register_engine(AutoCompile, CompileEngine)

@@ -1,0 +1,101 @@
+"""The private torch internals of sparsity detection, fenced (see ``torchdi/_fence.py``).
+
+The tracer reads aten's operator objects in the graph ``make_fx`` records: which nodes are aten
+operators (``torch._ops.OpOverload``), their schemas (``OpOverload._schema``: which argument is
+written, which result is a view, which arguments are numbers) and overload names
+(``OpOverload._overloadname``, to find an in-place op's functional twin).
+
+Fast paths (``FAST_PATHS``):
+
+- ``"op_overload"``: ``torch._ops.OpOverload`` and its ``_schema``/``_overloadname`` (torch 2.0 ..
+  2.14.1). Fallback: no node is recognised as an aten operator, and each takes the tracer's
+  conservative rule (every output element depends on every input element): a denser pattern,
+  more colours, the same derivatives.
+- ``"dispatch_mode"``: ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 1.13 .. 2.14.1),
+  through which the tracer sees each aten op of ``f`` as it runs. Fallback: ``make_fx`` (public
+  ``torch.fx.experimental``) records the graph and the tracer replays it: the same pattern,
+  about 4x slower on small functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from torchdi._fence import Fence, probe
+
+__all__ = ["FAST_PATHS", "fence", "op_schema", "overload_name", "recording"]
+
+FAST_PATHS = {
+    "op_overload": "reading aten operators' schemas in a traced graph (torch._ops.OpOverload)",
+    "dispatch_mode": "seeing f's aten ops as they run (torch.utils._python_dispatch.TorchDispatchMode)",
+}
+
+fence = Fence(FAST_PATHS)
+
+
+def _op_overload() -> type:
+    kind = torch._ops.OpOverload
+    schema = torch.ops.aten.add.Tensor._schema  # the attributes read below, on an operator every torch has
+    if not isinstance(torch.ops.aten.add.Tensor, kind) or not schema.arguments or not isinstance(torch.ops.aten.add_.Tensor._overloadname, str):
+        raise TypeError("OpOverload without a schema")
+    return kind
+
+
+# torch 2.0 .. 2.14.1.
+_OP_OVERLOAD: type | None = probe(_op_overload)
+
+
+def op_schema(target: Any) -> Any:
+    """``target``'s aten schema (``.arguments``, ``.returns`` with their ``alias_info``), or
+    ``None`` when ``target`` is not an aten operator or this torch does not show its schema."""
+    kind = _OP_OVERLOAD
+    if kind is None:
+        fence.warn_off("op_overload")
+        return None
+    operator: Any = target
+    return operator._schema if isinstance(target, kind) else None
+
+
+def overload_name(target: Any) -> str | None:
+    """``target``'s overload name (``"Tensor"`` for ``aten.add_.Tensor``), or ``None``."""
+    kind = _OP_OVERLOAD
+    if kind is None or not isinstance(target, kind):
+        return None
+    operator: Any = target
+    return str(operator._overloadname)
+
+
+def _dispatch_mode() -> type:
+    kind = importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
+    if not isinstance(kind, type) or not hasattr(kind, "__torch_dispatch__"):
+        raise TypeError("TorchDispatchMode without __torch_dispatch__")
+    return cast(type, kind)
+
+
+# torch 1.13 .. 2.14.1.
+_DISPATCH_MODE: type | None = probe(_dispatch_mode)
+_RECORDERS: dict[type, type] = {}
+
+
+def recording(handler: Callable[[Any, Any, dict[str, Any]], Any]) -> Any:
+    """A dispatch mode (a context manager) under which every aten op goes to
+    ``handler(op, args, kwargs)``, which runs it and returns its result; ``None`` when this torch
+    has no dispatch modes (the caller then records a ``make_fx`` graph)."""
+    base = _DISPATCH_MODE
+    if base is None:
+        fence.warn_off("dispatch_mode")
+        return None
+    recorder = _RECORDERS.get(base)
+    if recorder is None:
+
+        def __torch_dispatch__(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return self.handler(func, args, kwargs or {})
+
+        recorder = _RECORDERS[base] = type("_Recorder", (base,), {"__torch_dispatch__": __torch_dispatch__})
+    mode = recorder()
+    mode.handler = handler
+    return mode
