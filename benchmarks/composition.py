@@ -15,6 +15,11 @@ Workloads (one torch thread; medians of interleaved rounds, ratios within the sa
 - ``MAML step``: one inner SGD step from ``td.gradient`` and the meta-gradient through it vs
   ``torch.autograd.grad(create_graph=True)``.
 
+The gradient-penalty and MAML workloads on ``AutoFunc`` also time raw ``torch.func.grad`` in the
+same step, for scale: under ``torch.autograd`` alone ``AutoFunc``'s gradient is computed by
+``torch.autograd.grad(create_graph=True)`` (see ``torchdi.operators._transparent``), which the
+outer backward differentiates faster than ``torch.func``'s wrapped graph.
+
 Every torchdi result is checked against its reference before timing.
 """
 
@@ -132,8 +137,17 @@ def penalty(backend: Any) -> dict[str, Callable[[], Any]]:
         ((g.norm(dim=1) - 1) ** 2).mean().backward()
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in critic.parameters()]
 
+    def step_func() -> list[torch.Tensor]:  # raw torch.func.grad under the outer torch.autograd
+        critic.zero_grad()
+        g = grad(critic_sum)(samples.clone().requires_grad_())
+        ((g.norm(dim=1) - 1) ** 2).mean().backward()
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in critic.parameters()]
+
     _check(step(True), step(False), "gradient penalty")
-    return {"torch.autograd.grad(create_graph=True)": lambda: step(False), f"td.gradient {type(backend).__name__}": lambda: step(True)}
+    impls = {"torch.autograd.grad(create_graph=True)": lambda: step(False), f"td.gradient {type(backend).__name__}": lambda: step(True)}
+    if isinstance(backend, td.AutoFunc):
+        impls["raw torch.func.grad (for scale)"] = step_func
+    return impls
 
 
 def maml(backend: Any) -> dict[str, Callable[[], Any]]:
@@ -156,16 +170,25 @@ def maml(backend: Any) -> dict[str, Callable[[], Any]]:
         adapted = {k: params[k] - 0.1 * g[k] for k in params}
         return torch.autograd.grad(task_loss(adapted, query), list(params.values()))
 
+    def step_func() -> tuple[torch.Tensor, ...]:  # raw torch.func.grad under the outer torch.autograd
+        g = grad(task_loss)(params, support)
+        adapted = {k: params[k] - 0.1 * g[k] for k in params}
+        return torch.autograd.grad(task_loss(adapted, query), list(params.values()))
+
     _check(step(True), step(False), "MAML")
-    return {"torch.autograd.grad(create_graph=True)": lambda: step(False), f"td.gradient {type(backend).__name__}": lambda: step(True)}
+    impls = {"torch.autograd.grad(create_graph=True)": lambda: step(False), f"td.gradient {type(backend).__name__}": lambda: step(True)}
+    if isinstance(backend, td.AutoFunc):
+        impls["raw torch.func.grad (for scale)"] = step_func
+    return impls
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", "--repeats", type=int, default=11, help="interleaved rounds (--repeats: the name update_readme.py passes)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     parser.add_argument("--no-compile", action="store_true", help="skip the AutoCompile PINN step (its compilation takes minutes)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", metavar="TEXT", help="run only the workloads whose name contains TEXT")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     workloads = {
@@ -176,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "MAML step (AutoAutograd)": lambda: maml(td.AutoAutograd()),
         "MAML step (AutoFunc)": lambda: maml(td.AutoFunc()),
     }
+    if args.only:
+        workloads = {name: make for name, make in workloads.items() if args.only in name}
     rows = []
     print(f"{'workload':<40} {'implementation':<40} {'median':>12} {'ratio':>7}")
     for workload, make in workloads.items():

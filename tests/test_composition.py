@@ -223,6 +223,34 @@ def test_torch_autograd_through_x_and_a_context(backend, family):
     close(got, want, backend)
 
 
+TANGENT_CALLS: dict[str, tuple[Any, Any]] = {
+    "pushforward": (
+        lambda b, t: td.pushforward(f_vec, b, _x(), (t,), td.Constant(C))[0],
+        lambda t: jvp(lambda x_: f_vec(x_, C), (_x(),), (t,))[1],
+    ),
+    "pullback": (
+        lambda b, t: td.pullback(f_vec, b, _x(), (t,), td.Constant(C))[0],
+        lambda t: vjp(lambda x_: f_vec(x_, C), _x())[1](t)[0],
+    ),
+    "hvp": (
+        lambda b, t: td.hvp(f_scalar, b, _x(), (t,), td.Constant(C))[0],
+        lambda t: jvp(lambda x_: grad(f_scalar)(x_, C), (_x(),), (t,))[1],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(TANGENT_CALLS))
+@pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
+def test_torch_autograd_through_the_tangents(backend, family):
+    """Only the tangent requires grad: the result is linear in it, and torch.autograd sees that."""
+    call, reference = TANGENT_CALLS[family]
+    t = V.clone().requires_grad_()
+    (got,) = torch.autograd.grad(call(backend, t).pow(2).sum(), t)
+    t_ref = V.clone().requires_grad_()
+    (want,) = torch.autograd.grad(reference(t_ref).pow(2).sum(), t_ref)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
 def test_torch_autograd_through_a_parameter_f_closes_over(backend):
     """Only the closure requires grad: seen at preparation, the result is still differentiable."""
@@ -345,6 +373,30 @@ def test_maml_outer_gradient_flows_through_the_inner_step(backend):
     assert not torch.allclose(want, first_order)
 
 
+def test_autofunc_gradient_under_torch_autograd_runs_on_autograds_own_graph():
+    """Under torch.autograd alone AutoFunc's gradient is computed by torch.autograd.grad(create_graph=True)
+    (the outer backward then walks one plain graph, not torch.func's wrappers); under a torch.func
+    transform it stays torch.func's; with has_aux it keeps its own runner. Same derivatives each way."""
+    x = _x().requires_grad_()
+    prep = td.prepare_gradient(f_scalar, AutoFunc(), x.detach(), td.Constant(C))
+    g = td.gradient(f_scalar, AutoFunc(), x, td.Constant(C), prep=prep)
+    (got,) = torch.autograd.grad(g.pow(2).sum(), x)
+    close(got, grad(lambda x_: grad(f_scalar)(x_, C).pow(2).sum())(x.detach()), AutoFunc())
+    assert set(prep.transparent_runners) == {(_transparent.AUTOGRAD, True)}
+    vmap(lambda x_: td.gradient(f_scalar, AutoFunc(), x_, td.Constant(C), prep=prep))(torch.stack([_x(1), _x(2)]))
+    assert (_transparent.AS_IS, True) in prep.transparent_runners
+
+    def with_aux(x_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return f_scalar(x_, C), x_.sum()
+
+    prep_aux = td.prepare_gradient(with_aux, AutoFunc(), x.detach(), has_aux=True)
+    g_aux, aux = td.gradient(with_aux, AutoFunc(), x, prep=prep_aux, has_aux=True)
+    (got_aux,) = torch.autograd.grad(g_aux.pow(2).sum() + aux, x)
+    want_aux = grad(lambda x_: grad(f_scalar)(x_, C).pow(2).sum() + x_.sum())(x.detach())
+    close(got_aux, want_aux, AutoFunc())
+    assert all(key[0] == _transparent.AS_IS for key in prep_aux.transparent_runners)
+
+
 # --------------------------------------------------------------------------- compiled backends: through or refuse
 
 
@@ -361,6 +413,8 @@ REFUSING: dict[str, tuple[Any, str]] = {
 @pytest.mark.parametrize(("backend", "family"), list(REFUSING.values()), ids=list(REFUSING))
 @pytest.mark.parametrize("outer", ["vmap", "grad", "autograd", "prepared_then_vmap", "torch_compile"])
 def test_compiled_backends_refuse_at_once_never_a_zero(backend, family, outer):
+    if outer == "autograd" and _transparent.eager_of_compiled(backend) is not None:
+        pytest.skip("AutoCompile gives the outer derivative under torch.autograd: test_compiled_results_under_torch_autograd")
     call, _ = FAMILIES[family]
     x = _x()
     # Under torch.compile(fullgraph=True) dynamo reports the refusal as its own Unsupported error,
@@ -393,6 +447,98 @@ def test_compiled_backends_refuse_at_once_never_a_zero(backend, family, outer):
     # without an outer transform it still works
     if outer == "autograd" and not (isinstance(backend, AutoSparse) and family in ("jacobian", "hessian")):
         close(call(backend, x, C), FAMILIES[family][1](x, C), AutoFiniteDiff())
+
+
+THROUGH_EAGER: dict[str, tuple[Any, str]] = {
+    "compile_gradient": (AOT, "gradient"),
+    "compile_pullback": (AOT, "pullback"),
+    "compile_jacobian": (AOT, "jacobian"),
+    "compile_hvp": (AOT, "hvp"),
+    "compile_autograd_gradient": (AutoCompile(inner=AutoAutograd(), compiler="aot_eager", fullgraph=False), "gradient"),
+}
+
+
+@pytest.mark.parametrize(("backend", "family"), list(THROUGH_EAGER.values()), ids=list(THROUGH_EAGER))
+def test_compiled_results_under_torch_autograd(backend, family):
+    """Under torch.autograd alone an AutoCompile result is the compiled one, and its backward
+    differentiates the eager inner backend at the same point: through x, the tangents and a context."""
+    call, reference = FAMILIES[family]
+    x, c = _x().requires_grad_(), C.clone().requires_grad_()
+    result = call(backend, x, c)
+    close(result.detach(), reference(x.detach(), C), backend)
+    got = torch.autograd.grad(result.pow(2).sum(), (x, c))
+    x_ref, c_ref = x.detach().requires_grad_(), c.detach().requires_grad_()
+    want = torch.autograd.grad(reference(x_ref, c_ref).pow(2).sum(), (x_ref, c_ref))
+    close(got, want, backend)
+    if family == "pullback":  # through the cotangent too
+        ty = V.clone().requires_grad_()
+        (got_ty,) = torch.autograd.grad(td.pullback(f_vec, backend, x.detach(), (ty,), td.Constant(C))[0].sum(), ty)
+        close(got_ty, torch.autograd.grad(vjp(lambda x_: f_vec(x_, C), x.detach())[1](ty)[0].sum(), ty)[0], backend)
+
+
+def test_compiled_gradient_penalty_maml_and_double_backward():
+    """The patterns of rule 10 on AutoCompile under torch.autograd, prepared once: no recompilation."""
+    torch.manual_seed(1)
+    critic = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    for p in critic.parameters():  # (a critic reading trainable parameters from its closure is refused: see below)
+        p.requires_grad_(False)
+    w = torch.randn(3, dtype=DT, requires_grad=True)
+    samples = torch.randn(5, 3, dtype=DT)
+
+    def critic_sum(x_: torch.Tensor, w_: torch.Tensor) -> torch.Tensor:
+        return (critic(x_).squeeze(-1) * (x_ @ w_).tanh()).sum()
+
+    prep = td.prepare_gradient(critic_sum, AOT, samples, td.Constant(w.detach()))
+    for seed in (0, 1):  # gradient penalty: backward through the input gradient to the weights w
+        x = (samples + seed).requires_grad_()
+        g = td.gradient(critic_sum, AOT, x, td.Constant(w), prep=prep)
+        (got,) = torch.autograd.grad(((g.norm(dim=1) - 1) ** 2).mean(), w)
+        x_ref = x.detach().requires_grad_()
+        (g_ref,) = torch.autograd.grad(critic_sum(x_ref, w), x_ref, create_graph=True)
+        (want,) = torch.autograd.grad(((g_ref.norm(dim=1) - 1) ** 2).mean(), w)
+        close(got, want, AOT)
+    # MAML: the meta-gradient through an inner step taken with the compiled gradient
+    prep_w = td.prepare_gradient(lambda w_, data: critic_sum(data, w_), AOT, w.detach(), td.Constant(samples))
+    inner = lambda w_, data: critic_sum(data, w_)  # noqa: E731
+    prep_w = td.prepare_gradient(inner, AOT, w.detach(), td.Constant(samples))
+    adapted = w - 0.1 * td.gradient(inner, AOT, w, td.Constant(samples), prep=prep_w)
+    (got,) = torch.autograd.grad(inner(adapted, samples + 1), w)
+    adapted_ref = w - 0.1 * torch.autograd.grad(inner(w, samples), w, create_graph=True)[0]
+    close(got, torch.autograd.grad(inner(adapted_ref, samples + 1), w)[0], AOT)
+    # double backward: the third derivative through the recomputation
+    g = td.gradient(inner, AOT, w, td.Constant(samples), prep=prep_w)
+    (h,) = torch.autograd.grad(g.pow(2).sum(), w, create_graph=True)
+    (t,) = torch.autograd.grad(h.sum(), w)
+    w_ref = w.detach().requires_grad_()
+    (h_ref,) = torch.autograd.grad(grad(inner)(w_ref, samples).pow(2).sum(), w_ref, create_graph=True)
+    close(t, torch.autograd.grad(h_ref.sum(), w_ref)[0], AOT)
+    assert prep.num_compilations == 1 and prep_w.num_compilations == 1
+
+
+def test_compiled_result_that_cannot_be_recomputed_refuses_at_backward():
+    """An f that draws random numbers (dropout) or updates a State cannot be recomputed in
+    backward: backward raises, reading the result still works."""
+
+    def noisy(x_: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.dropout(x_, 0.5) ** 2).sum()
+
+    x = _x().requires_grad_()
+    g = td.gradient(noisy, AOT, x)
+    assert g.shape == x.shape
+    with pytest.raises(td.UnsupportedOperatorError, match="draws random numbers"):
+        g.sum().backward()
+    assert not td.prepare_gradient(f_scalar, AOT, _x(), td.Constant(C)).recompute_refusal
+
+    def counting(x_: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        counter.add_(1)
+        return (x_ * counter).pow(2).sum()
+
+    counter = torch.zeros((), dtype=DT)
+    g = td.gradient(counting, AOT, x, td.State(counter))
+    assert float(counter) == 1.0  # updated once, by the compiled call
+    with pytest.raises(td.UnsupportedOperatorError, match="State"):
+        g.sum().backward()
+    assert float(counter) == 1.0
 
 
 def test_compiled_backend_reading_a_tracked_closure_refuses_at_once():
@@ -454,18 +600,45 @@ def test_torch_compile_around_a_prepared_operator_has_no_graph_break():
 # --------------------------------------------------------------------------- preparation with the caller's grad mode
 
 
-@pytest.mark.parametrize("backend", [AutoAutograd()], ids=["autograd"])
+def _input_gradient_norm(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """A gradient-penalty style f: it calls torch.autograd.grad(create_graph=True) itself."""
+    p = points.detach().requires_grad_()
+    (g,) = torch.autograd.grad((p @ w).tanh().sum(), p, create_graph=True)
+    return g.pow(2).sum()
+
+
+def _input_gradient_norm_ref(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    return (((1 - (points @ w).tanh() ** 2)[:, None] * w) ** 2).sum()
+
+
+F_CALLS_AUTOGRAD = {
+    "autograd": AutoAutograd(),
+    "fd": AutoFiniteDiff(),
+    "so_fd_fd": SecondOrder(AutoFiniteDiff(), AutoFiniteDiff()),
+    "sparse_fd": AutoSparse(AutoFiniteDiff()),
+}
+
+
+@pytest.mark.parametrize("backend", list(F_CALLS_AUTOGRAD.values()), ids=list(F_CALLS_AUTOGRAD))
 def test_f_may_call_torch_autograd_itself(backend):
-    # (AutoFiniteDiff's plain path still evaluates f under no_grad: not yet supported there)
-    """A gradient-penalty style f that calls torch.autograd.grad(create_graph=True) prepares and runs."""
-
-    def input_gradient_norm(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-        p = points.detach().requires_grad_()
-        (g,) = torch.autograd.grad((p @ w).tanh().sum(), p, create_graph=True)
-        return g.pow(2).sum()
-
-    w, points = _x(), torch.randn(4, 3, dtype=DT)
-    prep = td.prepare_gradient(input_gradient_norm, backend, w, td.Constant(points))
-    got = td.gradient(input_gradient_norm, backend, w, td.Constant(points), prep=prep)
-    want = grad(lambda w_: (((1 - (points @ w_).tanh() ** 2)[:, None] * w_) ** 2).sum())(w)
+    """A gradient-penalty style f prepares and runs, prepared or not, with or without grad mode;
+    the plain result is a plain tensor (the graph f built for itself is not handed out)."""
+    w, points = _x(), torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(5))
+    want = grad(_input_gradient_norm_ref)(w, points)
+    prep = td.prepare_gradient(_input_gradient_norm, backend, w, td.Constant(points))
+    got = td.gradient(_input_gradient_norm, backend, w, td.Constant(points), prep=prep)
     close(got, want, backend)
+    assert not got.requires_grad
+    with torch.no_grad():
+        close(td.gradient(_input_gradient_norm, backend, w, td.Constant(points)), want, backend)
+    if not isinstance(backend, AutoSparse):
+        hvp_want = jvp(lambda w_: grad(_input_gradient_norm_ref)(w_, points), (w,), (V,))[1]
+        hv = td.hvp(_input_gradient_norm, backend, w, (V,), td.Constant(points))[0]
+        torch.testing.assert_close(hv, hvp_want, rtol=1e-4, atol=1e-4)  # (finite differences of finite differences)
+
+
+def test_f_needs_grad_mode_only_when_it_calls_torch_autograd():
+    """Finite differences keep evaluating an ordinary f under no_grad (no graph built per call)."""
+    assert not td.prepare_gradient(f_scalar, AutoFiniteDiff(), _x(), td.Constant(C)).f_needs_grad
+    prep = td.prepare_gradient(_input_gradient_norm, AutoFiniteDiff(), _x(), td.Constant(torch.randn(4, 3, dtype=DT)))
+    assert prep.f_needs_grad

@@ -39,6 +39,7 @@ __all__ = [
     "STATE_BACKENDS",
     "Refusal",
     "base_type",
+    "evaluates_f_plainly",
     "jacobian_uses_forward",
     "outer_inner",
     "refuse_compiled_double_backward",
@@ -124,6 +125,21 @@ def outer_inner(backend: Backend) -> tuple[Backend, Backend]:
         if refusal.applies(outer, inner):
             raise refusal.error(backend)
     return outer, inner
+
+
+def evaluates_f_plainly(backend: Backend) -> bool:
+    """Whether ``backend``'s runners evaluate ``f`` as it is, under the grad mode of the call (off on
+    the plain path): finite differences, also as the inner backend of ``SecondOrder`` or as
+    ``AutoSparse``'s dense one. An ``f`` that calls ``torch.autograd`` itself (DESIGN rule 10) needs
+    grad mode there; ``AutoAutograd`` turns it on itself, and ``torch.func`` transforms refuse such
+    an ``f`` whatever the grad mode."""
+    if isinstance(backend, AutoFiniteDiff):
+        return True
+    if isinstance(backend, SecondOrder):
+        return evaluates_f_plainly(backend.inner)
+    if isinstance(backend, AutoSparse):
+        return evaluates_f_plainly(backend.dense)
+    return False
 
 
 # Families that AutoAutograd computes by double backward (forward mode included).

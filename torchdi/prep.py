@@ -176,6 +176,7 @@ class Prep:
         "backend",
         "call",
         "f",
+        "f_needs_grad",
         "has_aux",
         "keep_static",
         "operator",
@@ -183,6 +184,7 @@ class Prep:
         "point",
         "reads_tracked",
         "rebuild",
+        "recompute_refusal",
         "runner",
         "strict",
         "transparent_runners",
@@ -215,10 +217,17 @@ class Prep:
         # Rule 10 (torchdi.operators._transparent): whether f read a tensor that requires grad
         # besides x at preparation, and the runners that serve calls under outer transforms when
         # this one does not fit (torch.autograd.grad under torch.func transforms and dynamo, the
-        # plain gradient without its value): rebuild(functorch_safe, lean), built on first use.
+        # plain gradient without its value, AutoFunc's gradient under torch.autograd alone):
+        # rebuild(variant, lean), built on first use (variants: _transparent.VARIANTS).
         self.reads_tracked = False
-        self.rebuild: Callable[[bool, bool], Callable[..., Any]] | None = None
-        self.transparent_runners: dict[tuple[bool, bool], Callable[..., Any]] = {}
+        self.rebuild: Callable[[str, bool], Callable[..., Any]] | None = None
+        self.transparent_runners: dict[tuple[str, bool], Callable[..., Any]] = {}
+        # f calls torch.autograd itself and its backend evaluates f as it is (rule 10): the plain
+        # call runs with grad mode on and detaches its results. Set by prepare_operator.
+        self.f_needs_grad = False
+        # Why torch.autograd cannot differentiate a compiled result by recomputing it eagerly in
+        # backward (f draws random numbers, a State context), or None. Set by prepare_operator.
+        self.recompute_refusal: str | None = None
         # f returns (y, aux) (has_aux=True): set by prepare_operator, checked on every call.
         self.has_aux = False
         # A same-point preparation's point (prepare_*_same_point): checked on every call.

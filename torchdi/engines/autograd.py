@@ -11,6 +11,7 @@ graphs (``create_graph=True``) instead of detaching.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -46,17 +47,27 @@ def _track(x: Any, outer: bool) -> tuple[Any, list[torch.Tensor], bool]:
             return tracked, [tracked], True
         tracked = x.detach().requires_grad_()
         return tracked, [tracked], outer
-    leaves, spec = pytree.tree_flatten(x)
+    leaves = list(x.values()) if _tensor_dict(x) else pytree.tree_leaves(x)
     if any(_is_tracked(leaf) for leaf in leaves):
         leaves = [leaf if leaf.requires_grad else leaf.clone().requires_grad_() for leaf in leaves]
-        return pytree.tree_unflatten(leaves, spec), leaves, True
+        return _like_x(x, leaves), leaves, True
     leaves = [leaf.detach().requires_grad_() for leaf in leaves]
-    return pytree.tree_unflatten(leaves, spec), leaves, outer
+    return _like_x(x, leaves), leaves, outer
+
+
+def _tensor_dict(x: Any) -> bool:
+    """Whether ``x`` is a plain dict of tensors (a parameter dict): its leaves are its values, in
+    order, without a pytree round trip (measured: ~10% of a small MAML inner step)."""
+    return type(x) is dict and all(isinstance(v, torch.Tensor) for v in x.values())
 
 
 def _like_x(x: Any, leaves: list[torch.Tensor]) -> Any:
     """``leaves`` in the structure of ``x``."""
-    return leaves[0] if isinstance(x, torch.Tensor) else pytree.tree_unflatten(leaves, pytree.tree_structure(x))
+    if isinstance(x, torch.Tensor):
+        return leaves[0]
+    if _tensor_dict(x):
+        return dict(zip(x, leaves, strict=True))
+    return pytree.tree_unflatten(leaves, pytree.tree_structure(x))
 
 
 def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor], create_graph: bool, retain_graph: bool) -> list[torch.Tensor]:
@@ -71,9 +82,20 @@ def _grad(outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: l
         create_graph=create_graph,
         retain_graph=retain_graph or create_graph,
         allow_unused=True,
-        materialize_grads=True,
     )
-    return list(grads)
+    return _materialized(grads, inputs)
+
+
+def _materialized(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros for the inputs outside the graph: ``materialize_grads=True`` by hand (that flag costs
+    ~9 us per call, a tenth of a small gradient)."""
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, inputs)]
+
+
+def _grad_mode_on(outer: bool) -> contextlib.AbstractContextManager[Any]:
+    """``torch.enable_grad()``, or nothing when grad mode is already on (under an outer
+    ``torch.autograd``: the context manager costs ~8 us per call)."""
+    return contextlib.nullcontext() if outer else torch.enable_grad()
 
 
 def _maybe_detach(tree: Any, nested: bool) -> Any:
@@ -141,17 +163,17 @@ class AutogradEngine:
     def _gradient(self, f: Any) -> Any:
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             outer = torch.is_grad_enabled()
-            with torch.enable_grad():
+            with _grad_mode_on(outer):
                 x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
                 if y.requires_grad:  # a 0-d output needs no explicit cotangent
-                    grads = torch.autograd.grad(
-                        y, leaves, None if y.dim() == 0 else torch.ones_like(y),
-                        create_graph=nested, allow_unused=True, materialize_grads=True,
+                    grads = _materialized(
+                        torch.autograd.grad(y, leaves, None if y.dim() == 0 else torch.ones_like(y), create_graph=nested, allow_unused=True),
+                        leaves,
                     )
                 else:
-                    grads = tuple(torch.zeros_like(leaf) for leaf in leaves)
-            return _maybe_detach(y, nested), _like_x(x, list(grads))
+                    grads = [torch.zeros_like(leaf) for leaf in leaves]
+            return _maybe_detach(y, nested), _like_x(x, grads)
 
         return run
 

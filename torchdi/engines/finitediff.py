@@ -31,7 +31,7 @@ def _magnitude_along(x: Any, direction: Any) -> float:
     coordinate in truncation error).
     """
     return max(
-        (float((a.detach().abs() * d.abs()).max()) if a.numel() else 0.0 for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction))),
+        (float((a.detach().abs() * d.detach().abs()).max()) if a.numel() else 0.0 for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction))),
         default=0.0,
     )
 
@@ -46,7 +46,7 @@ def _batched(tree: Any) -> bool:
 
 def _magnitude_along_tensor(x: Any, direction: Any) -> torch.Tensor:
     """``_magnitude_along`` as a 0-d tensor (per batch entry under ``vmap``)."""
-    parts = [(a.detach().abs() * d.abs()).amax() for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction)) if a.numel()]
+    parts = [(a.detach().abs() * d.detach().abs()).amax() for a, d in zip(pytree.tree_leaves(x), pytree.tree_leaves(direction)) if a.numel()]
     return torch.stack(parts).amax()
 
 

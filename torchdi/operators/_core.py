@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoSparse, Backend, require_available
+from torchdi.composition import evaluates_f_plainly
 from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
@@ -36,6 +37,8 @@ from torchdi.operators._checks import (
 )
 from torchdi.operators._guards import (
     refuse_mutation,
+    rng_states,
+    same_rng_states,
     translation_note,
     without_inference_tensors,
     without_side_effects,
@@ -160,6 +163,7 @@ def _prepare_operator(
     seen = values if seen_by_f is None else seen_by_f(values)
     # (under torch.func transforms requires_grad_ is refused: no probe; calls there are transparent anyway)
     probing = None if _transparent.under_functorch_or_dynamo() else grad_probes(x_run)
+    rng_before = None if compiling else rng_states()
     if probing is not None:
         try:
             with torch.enable_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
@@ -175,6 +179,20 @@ def _prepare_operator(
             if note:
                 error.add_note(note)
             raise
+    # Whether f draws random numbers (dropout): then a recomputation of its derivatives (a compiled
+    # result differentiated by torch.autograd) would see other draws. (The RNG is restored after
+    # preparation: see without_side_effects.)
+    draws_random = rng_before is not None and not same_rng_states(rng_before, rng_states())
+    f_needs_grad = False
+    if probing is not None and evaluates_f_plainly(backend):
+        # Rule 10: f may call torch.autograd itself (a gradient penalty, a PINN residual). This
+        # backend's runners evaluate f as it is, and the plain call runs them under no_grad: one
+        # more evaluation, under no_grad, tells whether f needs grad mode (then the call keeps it on).
+        try:
+            with torch.no_grad(), refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+                bound(x_run, seen)
+        except Exception:
+            f_needs_grad = True
     with_aux, tensor_aux = bound, True
     if has_aux:
         y, aux = split_aux(y, operator)
@@ -185,7 +203,9 @@ def _prepare_operator(
     check_output(y, row, operator)
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
-    reached = _transparent.reads_tracked_besides(y, probing[1]) if probing is not None else []
+    # (context tensors are not counted: every call looks at its own contexts)
+    contexts_seen = {id(leaf) for leaf in pytree.tree_leaves((values, seen)) if isinstance(leaf, torch.Tensor)}
+    reached = _transparent.reads_tracked_besides(y, probing[1] | contexts_seen) if probing is not None else []
     if probing is not None and x_unused(y, probing[1], bound, x_run, seen):
         warnings.warn(
             f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
@@ -261,6 +281,11 @@ def _prepare_operator(
         output_shape,
     )
     prep.has_aux = has_aux
+    prep.f_needs_grad = f_needs_grad
+    if draws_random:
+        prep.recompute_refusal = "f draws random numbers, which an eager recomputation in backward would draw anew"
+    elif "State" in kinds:
+        prep.recompute_refusal = "f updates a State context, which an eager recomputation in backward would update again"
     del probing  # y and the probes are gone: what f made dies with them, what it reads stays
     prep.reads_tracked = any(ref() is not None for ref in reached)
     if spec.x.numel and spec.y.numel:
@@ -270,11 +295,22 @@ def _prepare_operator(
         safe_backend = _transparent.functorch_safe(backend)
         plain_spec = replace(spec, needs_value=False) if row.drops_value else spec
 
-        def rebuild(safe: bool, lean: bool) -> Runner:
-            # Under dynamo (safe), context tensors enter forward mode as explicit primals: see
-            # Spec.inside_forward_mode and FuncEngine._hvp.
+        def rebuild(variant: str, lean: bool) -> Runner:
+            # Under dynamo and torch.func (functorch_safe), context tensors enter forward mode as
+            # explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp.
             chosen = plain_spec if lean else spec
-            rebuilt = build_runner(safe_backend if safe else backend, family, bound, replace(chosen, inside_forward_mode=True) if safe else chosen)
+            if variant == _transparent.FUNCTORCH_SAFE:
+                rebuilt = build_runner(safe_backend, family, bound, replace(chosen, inside_forward_mode=True))
+            elif variant == _transparent.AUTOGRAD:
+                native = _transparent.autograd_native(backend, family, has_aux)
+                rebuilt = build_runner(native if native is not None else backend, family, bound, chosen)
+            elif variant == _transparent.EAGER:
+                eager = _transparent.eager_of_compiled(backend)
+                rebuilt = build_runner(eager if eager is not None else backend, family, bound, chosen)
+                if seen_by_f is not None:  # f sees the contexts as in the compiled program (numpy as tensors...)
+                    rebuilt = _seeing_contexts(rebuilt, seen_by_f)
+            else:
+                rebuilt = build_runner(backend, family, bound, chosen)
             # The same wrapping as the prepared runner: pytree nesting and aux.
             if flattening is not None:
                 rebuilt = flattening.runner(rebuilt)
@@ -284,6 +320,13 @@ def _prepare_operator(
 
         prep.rebuild = rebuild
     return prep
+
+
+def _seeing_contexts(runner: Runner, seen_by_f: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Runner:
+    def run(x: Any, tangents: Any, values: tuple[Any, ...]) -> Any:
+        return runner(x, tangents, seen_by_f(values))
+
+    return run
 
 
 def _unless(skip: bool, manager: Callable[[str], contextlib.AbstractContextManager[None]], operator: str) -> contextlib.AbstractContextManager[None]:
@@ -318,7 +361,8 @@ def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, 
     runner = build_runner(backend, family, f, spec)
     try:
         with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
-            warm_up(runner, x, tangents, values)
+            # (and with plain contexts: see run_operator)
+            warm_up(runner, x, tangents, _detached_values(values))
     except Exception as error:
         note = translation_note(values)
         if note:
@@ -373,22 +417,54 @@ def run_operator(
     x = without_inference_tensors(x)
     values = without_inference_tensors(values)
     attach = None
-    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached):
+    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached, tangents):
         if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
             return _run_transparent(family, operator, prep, x, tangents, values, value)
-        # torch.autograd alone, on a backend that does not compose: the plain results, whose
-        # backward raises (or a refusal at once when they cannot be connected to what requires grad).
-        attach = _transparent.backward_refusal(prep.backend, family, operator, x, values)
+        # torch.autograd alone, on a backend that does not compose: the plain results, whose backward
+        # recomputes them with the eager inner backend of AutoCompile and differentiates that; on the
+        # others (or when it cannot), whose backward raises (or a refusal at once when they cannot be
+        # connected to what requires grad).
+        if prep.rebuild is not None and not prep.reads_tracked and prep.recompute_refusal is None and _transparent.eager_of_compiled(prep.backend) is not None:
+            attach = _through_eager(prep, family, operator, x, tangents, values)
+        if attach is None:
+            attach = _transparent.backward_refusal(prep.backend, family, operator, (x, tangents), values, prep.recompute_refusal)
+    if prep.keep_static and _transparent.tracked(values):
+        # A compiled program is prepared for plain contexts (see _built): one that requires grad
+        # would fail its guards and recompile.
+        values = _detached_values(values)
     x_run = canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call
     grad_enabled = torch.is_grad_enabled()
-    set_grad_enabled(False)  # torch.no_grad() without its object: ~1 us per call less
+    f_needs_grad = prep.f_needs_grad
+    set_grad_enabled(f_needs_grad)  # torch.no_grad() without its object: ~1 us per call less
     try:
         result = call(x_run, batched, values)
     finally:
         set_grad_enabled(grad_enabled)
+    if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
+        result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _detached_values(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(pytree.tree_map(_detached, value) for value in values)
+
+
+def _through_eager(prep: Prep, family: str, operator: str, x: Any, tangents: Any, values: tuple[Any, ...]) -> Callable[[Any], Any] | None:
+    """``_transparent.through_eager`` with the prepared eager runner (built on first use) at this call's
+    arguments as an eager runner takes them (not detached)."""
+    key = (_transparent.EAGER, False)  # (the value too: the compiled call may return it)
+    runner = prep.transparent_runners.get(key)
+    if runner is None:
+        runner = prep.transparent_runners[key] = prep.rebuild(*key)  # type: ignore[misc]
+    x_run = canonical_x(x, family, operator, detach=False)
+    batched = None if tangents is None else _batch_tangents(tangents, detach=False)
+    return _transparent.through_eager(runner, (x_run, batched, values), operator)
 
 
 def _run_traced(
@@ -437,9 +513,8 @@ def _run_transparent(
     runner = prep.runner
     if prep.rebuild is not None:
         # (under dynamo always rebuilt: see rebuild)
-        safe = torch.compiler.is_compiling() or (_transparent.under_functorch_or_dynamo() and _transparent.needs_functorch_safe(prep.backend))
-        key = (safe, not value and FAMILIES[family].drops_value)
-        if key != (False, False):
+        key = (_transparent.variant(prep.backend, family, prep.has_aux), not value and FAMILIES[family].drops_value)
+        if key != (_transparent.AS_IS, False):
             runner = prep.transparent_runners.get(key)  # type: ignore[assignment]
             if runner is None:
                 runner = prep.transparent_runners[key] = prep.rebuild(*key)

@@ -19,6 +19,8 @@ from torchdi.translate import to_device_tensor
 __all__ = [
     "path_text",
     "refuse_mutation",
+    "rng_states",
+    "same_rng_states",
     "tensor_leaves",
     "translation_note",
     "without_inference_tensors",
@@ -142,6 +144,19 @@ def without_side_effects(state_values: Sequence[Any]) -> Iterator[None]:
         with torch.no_grad():
             for t, before in zip(states, saved):
                 t.copy_(before)
+
+
+def rng_states() -> tuple[torch.Tensor, ...]:
+    """The global RNG states (CPU, and CUDA once initialized): compared before and after an
+    evaluation of ``f``, they tell whether ``f`` draws random numbers."""
+    cpu = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return (cpu, *torch.cuda.get_rng_state_all())
+    return (cpu,)
+
+
+def same_rng_states(before: tuple[torch.Tensor, ...], after: tuple[torch.Tensor, ...]) -> bool:
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def tensor_leaves(tree: Any) -> list[tuple[Any, torch.Tensor]]:

@@ -8,8 +8,8 @@ hand the outer transform a detached result, a derivative silently dropped. Outer
   ``hessian``): a functorch level is active;
 - ``torch.compile`` tracing the call (dynamo; a compiled torchdi backend whose function calls an
   eager operator is one);
-- ``torch.autograd``: grad mode is on and ``x``, a context tensor, or a tensor ``f`` reads from its
-  closure (seen once, at preparation) requires grad, and the call has no ``out=`` (``out=`` buffers
+- ``torch.autograd``: grad mode is on and ``x``, a tangent, a context tensor, or a tensor ``f`` reads
+  from its closure (seen once, at preparation) requires grad, and the call has no ``out=`` (``out=`` buffers
   are written without a graph, as ``.grad`` tensors are: the training loop's fast path).
 
 Detection is a handful of O(1) checks on the call path. Then the operator runs *transparently*:
@@ -21,10 +21,19 @@ differences are plain arithmetic on ``f``'s values. ``torch.autograd.grad`` cann
 under those transforms an ``AutoAutograd`` (also inside ``SecondOrder``) computes with
 ``torch.func`` instead: the same derivative, by the transform that composes.
 
+Under ``torch.autograd`` alone ``AutoFunc``'s gradient is computed by ``torch.autograd.grad``
+(``autograd_native``): the outer backward then walks one plain graph, not torch.func's wrapped one.
+
 Compiled backends (``AutoCompile``, ``AutoXLA``, ``AutoSparse`` over them, ``SecondOrder`` with a
 compiled member) and ``AutoSparse``'s sparse results cannot be differentiated again nor batched
-by an outer transform: under one they raise ``UnsupportedOperatorError`` at once, naming the
-backends that compose. They never return a result the outer transform would see as a constant.
+by a ``torch.func`` transform or dynamo: under one they raise ``UnsupportedOperatorError`` at
+once, naming the backends that compose. Under ``torch.autograd`` alone an ``AutoCompile`` result
+is the compiled one, connected to the tracked inputs by ``_ThroughEager``, whose backward
+recomputes it with the eager ``inner`` backend and differentiates that (``through_eager``); where
+that cannot be done (``f`` draws random numbers, updates a ``State``, or reads tracked tensors
+from its closure, which a recomputation could not reach; the other compiled backends) the
+backward raises (``backward_refusal``), or the call itself when no input requires grad to connect
+to. They never return a result the outer transform would see as a constant.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import (
     AutoAutograd,
+    AutoCompile,
     AutoFiniteDiff,
     AutoFunc,
     AutoSparse,
@@ -50,6 +60,8 @@ from torchdi.errors import UnsupportedOperatorError
 
 __all__ = [
     "backward_refusal",
+    "eager_of_compiled",
+    "through_eager",
     "reads_tracked_besides",
     "composes",
     "functorch_safe",
@@ -90,15 +102,15 @@ def tracked(tree: Any) -> bool:
     return False
 
 
-def outer_transform_active(x: Any, values: tuple[Any, ...], reads_tracked: bool, detached: bool) -> bool:
+def outer_transform_active(x: Any, values: tuple[Any, ...], reads_tracked: bool, detached: bool, tangents: Any = None) -> bool:
     """Whether a ``torch.func`` transform, dynamo, or ``torch.autograd`` may differentiate or batch
-    this call's result (see the module docstring). O(1) plus a look at ``x``'s and the contexts'
-    top-level tensors."""
+    this call's result (see the module docstring). O(1) plus a look at ``x``'s, the contexts' and
+    the tangents' tensors."""
     if _is_compiling() or _maybe_current_level() is not None:  # (dynamo cannot call the latter)
         return True
     if detached or not torch.is_grad_enabled():
         return False
-    return reads_tracked or tracked(x) or tracked(values)
+    return reads_tracked or tracked(x) or tracked(values) or (tangents is not None and tracked(tangents))
 
 
 def composes(backend: Backend, family: str) -> bool:
@@ -156,6 +168,42 @@ def functorch_safe(backend: Backend) -> Backend:
     return backend
 
 
+# The runners a call under an outer transform may run (``_core._run_transparent``): the prepared
+# backend's own, the one with torch.func instead of torch.autograd.grad (``functorch_safe``),
+# the one built on torch.autograd's own graph (``autograd_native``), or a compiled backend's eager
+# inner backend, whose runner torch.autograd differentiates through (``through_eager``).
+AS_IS, FUNCTORCH_SAFE, AUTOGRAD, EAGER = "as_is", "functorch_safe", "autograd", "eager"
+VARIANTS = (AS_IS, FUNCTORCH_SAFE, AUTOGRAD, EAGER)
+
+# The families whose AutoFunc runner an outer torch.autograd differentiates faster when they are
+# computed by torch.autograd.grad(create_graph=True): torch.func's grad wraps every tensor f
+# touches and unwraps its results, and outer autograd then walks that wrapped graph (measured,
+# benchmarks/composition.py: a gradient penalty cost 1.6x the torch.autograd step by
+# torch.func.grad, raw or through torch.func, 1.0x by torch.autograd.grad).
+_AUTOGRAD_NATIVE_FAMILIES = frozenset({"gradient"})
+
+
+def autograd_native(backend: Backend, family: str, has_aux: bool) -> Backend | None:
+    """The backend that computes ``backend``'s ``family`` on ``torch.autograd``'s own graph when
+    ``torch.autograd`` alone differentiates the result (no ``torch.func`` transform, no dynamo):
+    ``AutoAutograd()`` for ``AutoFunc()``'s gradient, the same derivative by the system that
+    differentiates it next; ``None`` where the backend's own runner is kept. (``has_aux``: AutoFunc
+    returns aux from its own transform, AutoAutograd would evaluate f once more: kept.)"""
+    if type(backend) is AutoFunc and family in _AUTOGRAD_NATIVE_FAMILIES and not has_aux:
+        return AutoAutograd()
+    return None
+
+
+def variant(backend: Backend, family: str, has_aux: bool) -> str:
+    """Which runner (``VARIANTS``) serves a call of ``backend``'s ``family`` under an outer transform
+    now. A few O(1) checks: it runs on every such call."""
+    if _is_compiling():  # (under dynamo, torch.func: see _core's rebuild)
+        return FUNCTORCH_SAFE
+    if _maybe_current_level() is not None:
+        return FUNCTORCH_SAFE if needs_functorch_safe(backend) else AS_IS
+    return AUTOGRAD if autograd_native(backend, family, has_aux) is not None else AS_IS
+
+
 def needs_functorch_safe(backend: Backend) -> bool:
     """Whether ``backend`` runs ``torch.autograd.grad`` somewhere (see ``functorch_safe``)."""
     return functorch_safe(backend) != backend
@@ -187,7 +235,91 @@ class _RefuseBackward(torch.autograd.Function):
         raise UnsupportedOperatorError(ctx.message)
 
 
-def backward_refusal(backend: Backend, family: str, operator: str, x: Any, values: tuple[Any, ...]) -> Callable[[Any], Any]:
+def eager_of_compiled(backend: Backend) -> Backend | None:
+    """The eager backend whose derivatives ``torch.autograd`` takes through ``backend``'s results:
+    ``AutoCompile``'s ``inner`` (its closure, run eagerly); ``None`` for the backends that refuse
+    (``AutoXLA``: another device; ``AutoSparse`` and ``SecondOrder`` over compiled backends)."""
+    return backend.inner if isinstance(backend, AutoCompile) else None
+
+
+class _ThroughEager(torch.autograd.Function):
+    """A compiled backend's results under ``torch.autograd`` alone: the forward hands them out as
+    they are; the backward recomputes them with the eager inner backend on the saved inputs (the
+    tracked leaves of ``x``, the tangents and the contexts), transparently, and differentiates that
+    (like ``torch.utils.checkpoint``). With ``create_graph=True`` the recomputation is recorded, so
+    double backward works too."""
+
+    @staticmethod
+    def forward(ctx: Any, recompute: Callable[[list[torch.Tensor]], list[torch.Tensor]], count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.recompute = recompute
+        ctx.count = count
+        ctx.save_for_backward(*tensors[count:])
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        inputs = list(ctx.saved_tensors)
+        create_graph = torch.is_grad_enabled()  # (backward(create_graph=True): keep the chain to the inputs)
+        with torch.enable_grad():
+            run_inputs = inputs if create_graph else [t.detach().requires_grad_() for t in inputs]
+            outs = ctx.recompute(run_inputs)
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+            got: tuple[torch.Tensor | None, ...]
+            if pairs:
+                got = torch.autograd.grad(
+                    [o for o, _ in pairs], run_inputs, [g for _, g in pairs], allow_unused=True, create_graph=create_graph
+                )
+            else:
+                got = (None,) * len(inputs)
+        return (None, None, *([None] * ctx.count), *got)
+
+
+def _float_positions(leaves: list[Any]) -> list[int]:
+    return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())]
+
+
+def through_eager(
+    runner: Callable[..., Any], arguments: tuple[Any, Any, tuple[Any, ...]], operator: str
+) -> Callable[[Any], Any] | None:
+    """For a compiled backend's call under ``torch.autograd`` alone: a function that connects its
+    results to the tensors that require grad among ``arguments`` (``(x, tangents, contexts)`` as the
+    runner takes them, not detached) through ``_ThroughEager``, whose backward differentiates
+    ``runner`` (the eager inner backend's runner) at the same arguments. ``None`` when no argument
+    requires grad (only a closure does: nothing to connect to)."""
+    leaves, spec = pytree.tree_flatten(arguments)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if not positions:
+        return None
+
+    def attach(result: Any) -> Any:
+        result_leaves, result_spec = pytree.tree_flatten(result)
+        chosen = _float_positions(result_leaves)
+        dropped = [i for i, part in enumerate(result) if part is None] if isinstance(result, tuple) else []
+
+        def recompute(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            args = list(leaves)
+            for i, t in zip(positions, inputs):
+                args[i] = t
+            eager = runner(*pytree.tree_unflatten(args, spec))
+            if dropped and isinstance(eager, tuple):  # (the compiled call skipped a value the eager one computes)
+                eager = tuple(None if i in dropped else part for i, part in enumerate(eager))
+            eager_leaves, eager_spec = pytree.tree_flatten(eager)
+            if eager_spec != result_spec or _float_positions(eager_leaves) != chosen:
+                raise UnsupportedOperatorError(
+                    f"{operator}: the eager recomputation of a compiled result for torch.autograd has another "
+                    "structure than the compiled result; compute it with the eager backend (AutoFunc()) instead."
+                )
+            return [eager_leaves[i] for i in chosen]
+
+        outputs = _ThroughEager.apply(recompute, len(chosen), *(result_leaves[i] for i in chosen), *(leaves[i] for i in positions))
+        for i, out in zip(chosen, outputs):
+            result_leaves[i] = out
+        return pytree.tree_unflatten(result_leaves, result_spec)
+
+    return attach
+
+
+def backward_refusal(backend: Backend, family: str, operator: str, x: Any, values: tuple[Any, ...], why: str | None = None) -> Callable[[Any], Any]:
     """For a backend that does not compose called with grad mode on and ``x`` or a context tensor
     that requires grad (``torch.autograd`` is the only outer system): a function that connects the
     results to those tensors through a node whose backward raises ``UnsupportedOperatorError``.
@@ -200,6 +332,8 @@ def backward_refusal(backend: Backend, family: str, operator: str, x: Any, value
         refuse_under_outer_transform(backend, family, operator)
     except UnsupportedOperatorError as error:
         message = str(error).replace("was called under an outer transform", "was differentiated by torch.autograd", 1)
+        if why:
+            message += f" ({why})"
 
     def attach(result: Any) -> Any:
         leaves, spec = pytree.tree_flatten(result)
