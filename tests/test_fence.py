@@ -144,7 +144,7 @@ def without(monkeypatch):
         attribute, missing = {**DYNAMO_HOOKS, **AUTOGRAD_HOOKS, **FUNCTORCH_HOOKS, **OTHER_HOOKS}[name]
         monkeypatch.setattr(_dynamo, attribute, missing)
 
-    monkeypatch.setattr(_dynamo, "_warned", set())
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
     return remove
 
 
@@ -269,7 +269,7 @@ def test_differentiate_with_with_every_internal():
 def test_missing_dynamo_knobs_are_left_out_with_one_warning(caplog, monkeypatch):
     """A ``torch._dynamo.config`` knob a torch renamed is left out (``torch.compile``'s
     ``recompile_limit=`` argument covers the recompile limit where torch has it)."""
-    monkeypatch.setattr(_dynamo, "_warned", set())
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
     real = _dynamo._has_knob
     monkeypatch.setattr(_dynamo, "_has_knob", lambda config, name: "recompile_limit" not in name and real(config, name))
     x = torch.linspace(-1.0, 1.0, 5)

@@ -166,7 +166,7 @@ def test_fenced_internals_have_fallbacks(monkeypatch, caplog):
     assert _dynamo.compile_cache_counts() is not None  # this torch has both
     with _dynamo.artifact_scope():
         pass
-    monkeypatch.setattr(_dynamo, "_warned", set())
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
     monkeypatch.setattr(_dynamo, "_FRESH_ARTIFACTS", None)
     monkeypatch.setattr(_dynamo, "_COUNTERS", None)
     with caplog.at_level(logging.WARNING, logger="torchdi"):

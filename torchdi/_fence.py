@@ -33,10 +33,14 @@ class Fence:
 
     Args:
         fast_paths: name -> what the private internal behind it does for torchdi.
+        costs: name -> what the public path costs instead, where it is more than time.
+        what: the software whose internals these are (named in the warning).
     """
 
-    def __init__(self, fast_paths: dict[str, str]) -> None:
+    def __init__(self, fast_paths: dict[str, str], costs: dict[str, str] | None = None, what: str = "torch") -> None:
         self.fast_paths = fast_paths
+        self.costs = costs or {}
+        self.what = what
         self.warned: set[str] = set()
 
     def warn_off(self, name: str, detail: str = "") -> None:
@@ -45,10 +49,12 @@ class Fence:
             return
         self.warned.add(name)
         logger.warning(
-            "torchdi: torch %s lacks the internal behind a fast path (%s: %s)%s; torchdi uses the public "
-            "path instead, which is slower but gives the same results.",
+            "torchdi: %s (torch %s) lacks the internal behind a fast path (%s: %s)%s; torchdi uses the "
+            "public path instead, %s.",
+            self.what,
             torch.__version__,
             name,
             self.fast_paths[name],
             f" ({detail})" if detail else "",
+            self.costs.get(name, "which is slower but gives the same results"),
         )

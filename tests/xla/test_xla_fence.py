@@ -39,10 +39,10 @@ def test_autoxla_without_an_internal(name, monkeypatch, caplog):
     if name in XLA_HOOKS:
         found = _xla_private.hooks()._replace(**dict.fromkeys(XLA_HOOKS[name]))
         monkeypatch.setattr(_xla_private, "hooks", lambda: found)
-        monkeypatch.setattr(_xla_private, "_warned", set())
+        monkeypatch.setattr(_xla_private.fence, "warned", set())
     else:
         monkeypatch.setattr(_dynamo, {"guard_lookup": "_CACHE_ENTRY_LIST", "release": "_RELEASE"}[name], None)
-        monkeypatch.setattr(_dynamo, "_warned", set())
+        monkeypatch.setattr(_dynamo.fence, "warned", set())
     x, c = torch.linspace(-1.0, 1.0, 5), torch.rand(5)
     counter = torch.zeros(1)
     with caplog.at_level(logging.WARNING, logger="torchdi"):

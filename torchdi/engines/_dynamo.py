@@ -105,6 +105,9 @@ from typing import Any, cast
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from torchdi._fence import Fence
+from torchdi._fence import probe as _probe
+
 __all__ = [
     "FAST_PATHS",
     "RECOMPILE_LIMIT",
@@ -140,14 +143,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("torchdi")
-
-
-def _probe(getter: Callable[[], Any]) -> Any:
-    """``getter()``, or ``None`` when what it reaches for does not exist in this torch."""
-    try:
-        return getter()
-    except (AttributeError, ImportError, TypeError):
-        return None
 
 
 # -- probes (once: at import, or on first use for those that import dynamo) ----------------------
@@ -342,23 +337,8 @@ _COSTS: dict[str, str] = {
     ),
 }
 
-_warned: set[str] = set()
-
-
-def warn_off(name: str, detail: str = "") -> None:
-    """Log once per process that the fast path ``name`` is off in this torch (slower, still right)."""
-    if name in _warned:
-        return
-    _warned.add(name)
-    logger.warning(
-        "torchdi: torch %s lacks the internal behind a fast path (%s: %s)%s; torchdi uses the public "
-        "path instead, %s.",
-        torch.__version__,
-        name,
-        FAST_PATHS[name],
-        f" ({detail})" if detail else "",
-        _COSTS.get(name, "which is slower but gives the same results"),
-    )
+fence = Fence(FAST_PATHS, _COSTS)
+warn_off = fence.warn_off
 
 
 # -- dynamo's cache entries ("guard_lookup", "release") -----------------------------------------

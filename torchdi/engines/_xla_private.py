@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchdi._fence import Fence
+
 __all__ = ["XLAHooks", "hooks", "sync", "to_cpu"]
 
 logger = logging.getLogger("torchdi")
@@ -92,21 +94,8 @@ def hooks() -> XLAHooks:
     return found
 
 
-_warned: set[str] = set()
-
-
-def warn_off(name: str) -> None:
-    """Log once per process that the fast path ``name`` is off (slower, same results)."""
-    if name in _warned:
-        return
-    _warned.add(name)
-    logger.warning(
-        "torchdi: this torch / torch-xla (%s) lacks the internal behind a fast path (%s: %s); torchdi "
-        "uses the public path instead, which is slower but gives the same results.",
-        torch.__version__,
-        name,
-        FAST_PATHS[name],
-    )
+fence = Fence(FAST_PATHS, what="torch-xla")
+warn_off = fence.warn_off
 
 
 def sync(tensors: list[torch.Tensor]) -> None:
