@@ -56,6 +56,6 @@ pygments_style = "friendly"
 # torchdi's internal modules (torchdi.contexts.Context, a TypeVar), which have no page.
 nitpicky = True
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|numpy|collections|typing|types|builtins)(\..*)?"),
+    (r"py:.*", r"(torch|numpy|collections|typing|types|builtins|os)(\..*)?"),
     (r"py:.*", r"torchdi\.(contexts|translate|prep|backends|engines|operators|runners|errors|sparsity\.index_sets|into_grad)\..*"),
 ]

@@ -27,6 +27,16 @@ from torchdi.backends import (
 from torchdi.contexts import Cache, Constant, State
 from torchdi.differentiate_with import DifferentiateWith
 from torchdi.errors import BackendUnavailableError, UnsupportedOperatorError
+from torchdi.families import (
+    DerivativeResult,
+    GradientResult,
+    HessianResult,
+    HvpResult,
+    JacobianResult,
+    PullbackResult,
+    PushforwardResult,
+    SecondDerivativeResult,
+)
 from torchdi.into_grad import into_grad
 from torchdi.operators import (
     derivative,
@@ -70,6 +80,14 @@ from torchdi.translate import Static, copyfrom, copyto_, to_device_tensor
 __version__ = "0.1.0"
 
 __all__ = [
+    "DerivativeResult",
+    "GradientResult",
+    "HessianResult",
+    "HvpResult",
+    "JacobianResult",
+    "PullbackResult",
+    "PushforwardResult",
+    "SecondDerivativeResult",
     "AutoAutograd",
     "AutoCompile",
     "AutoFiniteDiff",

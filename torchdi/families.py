@@ -41,42 +41,64 @@ __all__ = [
 # tuple works as before). Runners inside return plain tuples in this order (compiled programs
 # return tuples, tangents batched); the value_ operator wraps them.
 class PushforwardResult(NamedTuple):
+    """What ``value_and_pushforward`` returns: ``(value, dy)``, ``dy`` a tuple of JVPs, one per tangent."""
+
     value: Any
     dy: Any
 
 
 class PullbackResult(NamedTuple):
+    """What ``value_and_pullback`` returns: ``(value, dx)``, ``dx`` a tuple of VJPs, one per tangent."""
+
     value: Any
     dx: Any
 
 
 class DerivativeResult(NamedTuple):
+    """What ``value_and_derivative`` returns: ``(value, derivative)``."""
+
     value: Any
     derivative: Any
 
 
 class GradientResult(NamedTuple):
+    """What ``value_and_gradient`` returns: ``(value, gradient)``.
+
+    Example::
+
+        >>> y, g = torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2))
+        >>> torchdi.value_and_gradient(lambda x: (x**2).sum(), torchdi.AutoFunc(), torch.ones(2)).gradient
+        tensor([2., 2.])"""
+
     value: Any
     gradient: Any
 
 
 class JacobianResult(NamedTuple):
+    """What ``value_and_jacobian`` returns: ``(value, jacobian)``."""
+
     value: Any
     jacobian: Any
 
 
 class SecondDerivativeResult(NamedTuple):
+    """What ``value_derivative_and_second_derivative`` returns: ``(value, derivative, second_derivative)``."""
+
     value: Any
     derivative: Any
     second_derivative: Any
 
 
 class HvpResult(NamedTuple):
+    """What ``gradient_and_hvp`` returns: ``(gradient, hvp)``, ``hvp`` a tuple, one per tangent."""
+
     gradient: Any
     hvp: Any
 
 
 class HessianResult(NamedTuple):
+    """What ``value_gradient_and_hessian`` returns: ``(value, gradient, hessian)``."""
+
     value: Any
     gradient: Any
     hessian: Any

@@ -48,6 +48,12 @@ def _sections() -> list[Section]:
             "Each ``prepare_<op>`` serves both ``<op>`` and its ``value_and_<op>`` variant.",
             ("torchdi.operators",),
         ),
+        Section(
+            "Results",
+            "What the ``value_and_<op>`` variants return: NamedTuples, so ``y, g = ...`` unpacks them "
+            "and ``.gradient`` names a field.",
+            ("torchdi.families",),
+        ),
         Section("Preparation", "What ``prepare_*`` returns.", ("torchdi.prep",)),
         Section(
             "Sparse jacobians and hessians",
