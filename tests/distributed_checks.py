@@ -242,7 +242,9 @@ def errors() -> dict:
         lambda: td.gradient(plain_loss, td.AutoFunc(), params, td.Constant(model), data), ValueError, "zero", "DataParallel"
     )
     out["fsdp_helper_without_dataparallel_func"] = expect_error(
-        lambda: td.gradient(helper_loss, td.AutoFunc(), params, td.Constant(model), data),
+        # detached: with parameters that require grad, AutoFunc's gradient runs on torch.autograd's
+        # own graph (rule 10's autograd-native variant), which differentiates DTensors unwrapped
+        lambda: td.gradient(helper_loss, td.AutoFunc(), {n: p.detach() for n, p in params.items()}, td.Constant(model), data),
         td.UnsupportedOperatorError, "DataParallel(torchdi.AutoFunc())",
     )
     def copy_loss(params, model, data):  # computes with other tensors than the module's own
