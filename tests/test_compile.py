@@ -415,3 +415,19 @@ def test_inductor_compiles_a_convolution_gradient_without_layout_optimization(mo
     expected = torch.autograd.grad(loss(conv.weight, conv.bias, images), conv.weight)[0]
     _close(g, expected)
     assert decisions == [False]
+
+
+def test_one_tensor_passed_as_two_contexts_compiles_once():
+    """GPT-2's input_ids passed as its labels too: preparation must see the aliasing the calls have."""
+    backend = td.AutoCompile(compiler="aot_eager")
+
+    def f(x, a, b):
+        return (x * a + b).sum()
+
+    c = torch.randn(3)
+    prep = td.prepare_gradient(f, backend, torch.randn(3), td.Constant(c), td.Constant(c))
+    for _ in range(3):
+        d = torch.randn(3)
+        got = td.gradient(f, backend, torch.randn(3), td.Constant(d), td.Constant(d), prep=prep)
+        torch.testing.assert_close(got, d)
+    assert prep.num_compilations == 1

@@ -452,7 +452,19 @@ def _detached(leaf: Any) -> Any:
 
 
 def _detached_values(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(pytree.tree_map(_detached, value) for value in values)
+    """The contexts with each tensor detached once: a tensor passed twice stays one tensor, as
+    dynamo's guards saw it (two detached copies would fail its duplicate-input guard at the next
+    call and recompile: GPT-2's input_ids passed as its labels too)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def detach_once(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in memo:
+            memo[id(leaf)] = leaf.detach()
+        return memo[id(leaf)]
+
+    return tuple(pytree.tree_map(detach_once, value) for value in values)
 
 
 def _through_eager(prep: Prep, family: str, operator: str, x: Any, tangents: Any, values: tuple[Any, ...]) -> Callable[[Any], Any] | None:
