@@ -470,10 +470,7 @@ def _detached_values(values: tuple[Any, ...]) -> tuple[Any, ...]:
 def _through_eager(prep: Prep, family: str, operator: str, x: Any, tangents: Any, values: tuple[Any, ...]) -> Callable[[Any], Any] | None:
     """``_transparent.through_eager`` with the prepared eager runner (built on first use) at this call's
     arguments as an eager runner takes them (not detached)."""
-    key = (_transparent.EAGER, False)  # (the value too: the compiled call may return it)
-    runner = prep.transparent_runners.get(key)
-    if runner is None:
-        runner = prep.transparent_runners[key] = prep.rebuild(*key)  # type: ignore[misc]
+    runner = _rebuilt_runner(prep, (_transparent.EAGER, False))  # (the value too: the compiled call may return it)
     x_run = canonical_x(x, family, operator, detach=False)
     batched = None if tangents is None else _batch_tangents(tangents, detach=False)
     return _transparent.through_eager(runner, (x_run, batched, values), operator)
@@ -527,12 +524,19 @@ def _run_transparent(
         # (under dynamo always rebuilt: see rebuild)
         key = (_transparent.variant(prep.backend, family, prep.has_aux), not value and FAMILIES[family].drops_value)
         if key != (_transparent.AS_IS, False):
-            runner = prep.transparent_runners.get(key)  # type: ignore[assignment]
-            if runner is None:
-                runner = prep.transparent_runners[key] = prep.rebuild(*key)
+            runner = _rebuilt_runner(prep, key)
     x_run = canonical_x(x, family, operator, detach=False)
     batched = None if tangents is None else _batch_tangents(tangents, detach=False)
     return runner(x_run, batched, values)
+
+
+def _rebuilt_runner(prep: Prep, key: tuple[str, bool]) -> Runner:
+    """The prep's runner rebuilt for ``key`` (variant, lean), built on first use and kept."""
+    runner = prep.transparent_runners.get(key)
+    if runner is None:
+        assert prep.rebuild is not None
+        runner = prep.transparent_runners[key] = prep.rebuild(*key)
+    return runner
 
 
 def _refuse_aux_mismatch(prep: Prep, has_aux: bool, operator: str) -> None:
