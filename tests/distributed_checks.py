@@ -260,6 +260,13 @@ def errors() -> dict:
         lambda: td.gradient(helper_loss, td.distributed.DataParallel(td.AutoAutograd()), dict(nosync.named_parameters()), td.Constant(nosync), data),
         ValueError, "set_requires_gradient_sync(False)", "into_grad",
     )
+    def penalty_loss(params, model, data):  # a weight penalty on f's x: shards, layer by layer
+        return helper_loss(params, model, data) + 1e-3 * sum(p.pow(2).sum() for p in params.values())
+
+    out["fsdp_func_shards_outside_the_module"] = expect_error(
+        lambda: td.gradient(penalty_loss, td.distributed.DataParallel(td.AutoFunc()), params, td.Constant(model), data),
+        ValueError, "other than through torchdi.distributed.functional_call", "DataParallel(torchdi.AutoCompile())",
+    )
     columns = shard(mlp(), make_mesh("fsdp"), shard_columns)
     out["fsdp_shard1_func"] = expect_error(
         lambda: td.gradient(helper_loss, td.distributed.DataParallel(td.AutoFunc()), dict(columns.named_parameters()), td.Constant(columns), data),

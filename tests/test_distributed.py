@@ -143,14 +143,25 @@ def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
     assert result["moved"] > 1e-2  # not a zero gradient: the parameters moved as eager FSDP2's did
     assert result["placements"]
     assert result["compilations"] == (1 if check.endswith("compile") else 0)  # one program, no recompilation
-    if check.endswith("-autograd"):
-        # FSDP2's own hooks: the parameters gathered unit by unit, in forward and again in
-        # backward, never the whole model at once (HSDP's mesh here shards over one process:
-        # nothing to gather)
+    if not check.endswith("-compile"):
+        # FSDP2's own hooks (AutoAutograd), or the same schedule as differentiable operations
+        # (AutoFunc, and DTensors unwrapped on AutoAutograd): the parameters gathered unit by
+        # unit, in forward and again in backward, never the whole model at once (HSDP's mesh
+        # here shards over one process: nothing to gather)
         gathers = result["gathers"]
         assert gathers == [] if check.startswith("hsdp") else len(gathers) >= 4
         assert max(gathers, default=0) <= result["largest_unit"] < result["total"]
-    elif "mlp" in check and "unwrapped" not in check:
+    if check in ("fsdp-mlp-func", "fsdp-mlp-autograd-unwrapped"):
+        # each Linear (the root holds none) gathered before its forward and again before its
+        # backward, exactly as eager FSDP2 gathers them (padded: 33 rows over 2 ranks)
+        assert result["gathers"] == [374, 136, 136, 374]
+    if check == "fsdp-gpt2-func":
+        assert result["gathers"] == [1088, 3280, 3280, 3280, 3280]  # the root once, each block twice
+    if check == "fsdp-mlp-func":
+        # per step: two all-gathers per unit, one reduce-scatter per unit (gloo runs it as an
+        # all-reduce), one all-reduce of the value
+        assert result["collectives"] == {"gloo:all_gather": 4, "gloo:all_reduce": 3}
+    elif check == "fsdp-mlp-compile":
         # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
         # all-reduce) of the gradients, one all-reduce of the value, per step
         assert result["collectives"] == {"gloo:all_gather": 1, "gloo:all_reduce": 2}
@@ -177,6 +188,7 @@ def test_data_parallel_equals_ddp(check):
         "fsdp_native_other_tensors",
         "fsdp_native_gradient_sync_off",
         "fsdp_shard1_func",
+        "fsdp_func_shards_outside_the_module",
         "mixed_placements",
         "ddp_module",
         "hessian_refused",

@@ -17,6 +17,13 @@ Fast paths (``FAST_PATHS``):
   off while ``f`` runs on the tensors it is given. Fallback: none that computes: an FSDP2 module
   in ``f`` is refused at preparation with ``UnsupportedOperatorError`` naming what works
   (replicated parameters), never differentiated through FSDP's gathered copies.
+- ``"layer_by_layer"``: ``torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack``
+  (torch 2.1 .. 2.14.1) and ``torch.nn.Module._parameters`` (torch 1.0 .. 2.14.1): under
+  ``DataParallel(AutoFunc())`` each FSDP2 unit's gathered parameters are put in the unit's
+  place while it runs, and refilled in its backward, which ``torch.func`` runs inside its
+  transform (where writing into a tensor made outside it is refused; the refill writes memory
+  the transform never sees as a tensor of its own). Fallback: every shard gathered at once
+  around ``f`` (the same results; the whole parameters held at the peak).
 """
 
 from __future__ import annotations
@@ -28,14 +35,25 @@ import torch
 
 from torchdi._fence import Fence, probe
 
-__all__ = ["FAST_PATHS", "fence", "forward_hook_dicts", "functional_collectives", "is_fsdp_hook"]
+__all__ = [
+    "FAST_PATHS",
+    "fence",
+    "forward_hook_dicts",
+    "functional_collectives",
+    "is_fsdp_hook",
+    "layer_by_layer",
+    "outside_functorch",
+    "put_parameter",
+]
 
 FAST_PATHS = {
     "functional_collectives": "torch.distributed._functional_collectives (traceable collectives returning new tensors)",
     "fsdp_hooks": "switching FSDP2's own forward hooks off (torch.nn.Module._forward_pre_hooks, _forward_hooks)",
+    "layer_by_layer": "gathering FSDP2 units one at a time under torch.func "
+    "(torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack, torch.nn.Module._parameters)",
 }
 
-fence = Fence(FAST_PATHS)
+fence = Fence(FAST_PATHS, costs={"layer_by_layer": "which gathers every parameter at once (the same results, more memory per process)"})
 
 _UNPROBED: Any = object()
 
@@ -64,6 +82,41 @@ def _hook_dicts() -> bool:
 
 # torch 1.0 .. 2.14.1.
 _HOOK_DICTS: bool = bool(probe(_hook_dicts))
+
+
+def _import_clear_stack() -> Any:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack
+
+
+def _parameter_dicts() -> bool:
+    return isinstance(torch.nn.Linear(1, 1)._parameters, dict)
+
+
+# torch 2.1 .. 2.14.1 (torch.func is imported by torch itself: no cost at import).
+_CLEAR_STACK: Any = probe(_import_clear_stack)
+# torch 1.0 .. 2.14.1.
+_PARAMETER_DICTS: bool = bool(probe(_parameter_dicts))
+
+
+def layer_by_layer() -> bool:
+    """Whether FSDP2 units can be gathered one at a time under ``torch.func`` in this torch."""
+    if _CLEAR_STACK is None or not _PARAMETER_DICTS:
+        fence.warn_off("layer_by_layer")
+        return False
+    return True
+
+
+def outside_functorch() -> Any:
+    """A context in which no ``torch.func`` transform is active (check ``layer_by_layer()`` first)."""
+    return _CLEAR_STACK()
+
+
+def put_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` (not a ``Parameter``) what ``module`` computes with as its parameter ``name``,
+    as ``torch.func.functional_call`` does (check ``layer_by_layer()`` first)."""
+    module._parameters[name] = tensor  # type: ignore[assignment]
 
 
 class _NoTensor:

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi._distributed_private import forward_hook_dicts, functional_collectives, is_fsdp_hook
+from torchdi._distributed_private import (
+    PublicCollectives,
+    forward_hook_dicts,
+    functional_collectives,
+    is_fsdp_hook,
+    layer_by_layer,
+    outside_functorch,
+    put_parameter,
+)
 from torchdi.backends import DataParallel as DataParallel  # exported here, as DESIGN names it
 from torchdi.errors import UnsupportedOperatorError
 
@@ -165,6 +173,8 @@ _HOOKS_OFF: set[int] = set()
 _GATHERED = [0]
 # Whether a DataParallel(AutoAutograd()) runner runs f with FSDP2's own hooks on (FSDPUnits).
 _NATIVE = [0]
+# The call of f a DataParallel(AutoFunc()) runner runs with x's shards, gathered unit by unit.
+_LAYERED: list[LayeredCall | None] = [None]
 _LOCK = threading.Lock()
 
 
@@ -231,6 +241,303 @@ def _replicated(tensor: Any) -> torch.Tensor:
     return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local(grad_placements=[Partial("avg")] * mesh.ndim)
 
 
+# -- FSDP2 units gathered one at a time, as differentiable operations ---------------------------------
+#
+# FSDP2 all-gathers a unit's parameters in a forward pre-hook, frees them after the unit's forward,
+# all-gathers them again when the unit's backward begins and reduce-scatters their gradients when it
+# ends. Its hooks do that by saved-tensor and tensor hooks, which torch.func turns off. The same
+# schedule, as two autograd.Functions (which torch.func differentiates):
+#
+# - _GatherUnit: forward all-gathers the unit's shards into full tensors (one collective), backward
+#   reduce-scatters their gradients to the shards (one collective) and frees the full tensors;
+# - _RegatherInBackward: identity on the unit's outputs, whose backward (which runs just before the
+#   unit's own backward nodes) all-gathers the parameters again into the storage they had.
+#
+# Between the unit's forward and its backward the full tensors keep their shape but not their
+# memory (``untyped_storage().resize_(0)``, as FSDP2 frees them), so the backward nodes that saved
+# them find them filled again when they run. The outermost units (the root) keep theirs until their
+# backward, as FSDP2 keeps the root's.
+
+
+@dataclass(frozen=True)
+class _UnitPlan:
+    """One FSDP2 unit: the parameters it manages (by name in the called module), where each is
+    registered (tied ones: every place), and their global shapes."""
+
+    module: torch.nn.Module
+    names: tuple[str, ...]
+    slots: tuple[tuple[tuple[torch.nn.Module, str], ...], ...]
+    shapes: tuple[torch.Size, ...]
+    outermost: bool
+
+
+@dataclass(frozen=True)
+class _ModulePlan:
+    key: tuple[int, ...]  # the ids of the module's parameters when the plan was made
+    units: tuple[_UnitPlan, ...]
+    mesh: Any
+    sharded: frozenset[str]  # every name of a parameter some unit gathers
+
+
+_PLANS: dict[int, _ModulePlan] = {}
+
+
+def _module_plan(module: torch.nn.Module) -> _ModulePlan | None:
+    """The FSDP2 units of ``module`` and the parameters each gathers, or ``None`` when a sharded
+    parameter is not ``Shard(0)`` over one 1-D mesh (then the parameters are gathered whole)."""
+    fsdp: Any = _fsdp_module_type()
+    dtensor: Any = _dtensor_type()
+    if fsdp is None or dtensor is None or not layer_by_layer():
+        return None
+    named = dict(module.named_parameters())
+    key = tuple(id(p) for p in named.values())
+    cached = _PLANS.get(id(module))
+    if cached is not None and cached.key == key:
+        return cached
+    from torch.distributed.tensor import Shard
+
+    name_of = {id(p): n for n, p in named.items()}
+    units = [m for m in module.modules() if isinstance(m, fsdp)]
+    inner = {id(m) for unit in units for m in unit.modules() if m is not unit and isinstance(m, fsdp)}
+    owner: dict[int, int] = {}
+    slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    order: list[list[int]] = [[] for _ in units]
+    for index, unit in enumerate(units):
+        stack = [unit]
+        while stack:  # the unit's modules, not descending into nested units
+            sub = stack.pop()
+            for attr, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+                if param is None:
+                    continue
+                slots.setdefault(id(param), []).append((sub, attr))
+                if id(param) not in owner:
+                    owner[id(param)] = index
+                    order[index].append(id(param))
+            stack.extend(child for child in sub.children() if not isinstance(child, fsdp))
+    mesh = None
+    plans = []
+    params: dict[int, Any] = {id(p): p for p in named.values()}
+    for index, unit in enumerate(units):
+        names, unit_slots, shapes = [], [], []
+        for pid in order[index]:
+            param = params.get(pid)
+            if param is None or not isinstance(param, dtensor):
+                return None
+            mesh = param.device_mesh if mesh is None else mesh
+            if param.device_mesh != mesh or mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+                return None
+            names.append(name_of[pid])
+            unit_slots.append(tuple(slots[pid]))
+            shapes.append(param.shape)
+        if names:
+            plans.append(_UnitPlan(unit, tuple(names), tuple(unit_slots), tuple(shapes), id(unit) not in inner))
+    if mesh is None:
+        return None
+    plan = _ModulePlan(key, tuple(plans), mesh, frozenset(n for p in plans for n in p.names))
+    _PLANS[id(module)] = plan
+    return plan
+
+
+class LayeredCall:
+    """What one call of ``f`` shares across its units: the process group, the scale of the
+    gradients (``1 / world`` for the mean) and, under a ``DataParallel`` runner, the gradients
+    each of ``x``'s shards received through the gathers (to check that they are all it received)."""
+
+    def __init__(self, group: Any, world: int, scale: float, shards: list[torch.Tensor] | None = None) -> None:
+        self.group = group
+        self.world = world
+        self.scale = scale
+        self.index = {_storage_key(t): i for i, t in enumerate(shards)} if shards is not None else None
+        self.received: dict[int, list[torch.Tensor]] = {}
+        self.gathered_elements: list[int] = []  # the size of each all-gather, in order (for tests)
+
+    def record(self, shard: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.index is not None:
+            i = self.index.get(_storage_key(shard))
+            if i is not None:
+                self.received.setdefault(i, []).append(grad)
+
+    def check(self, grads: list[torch.Tensor], names: list[str], who: str) -> None:
+        """Raise unless each gradient is exactly what the gathers of its shard reduce-scattered."""
+        for i, (grad, name) in enumerate(zip(grads, names)):
+            parts = self.received.get(i)
+            if parts is None:
+                ok = not bool(grad.ne(0).any())
+            elif len(parts) == 1:
+                ok = torch.equal(grad, parts[0])
+            else:  # several gathers of one shard: summed in another order than autograd's
+                ok = torch.allclose(grad, torch.stack(parts).sum(0), rtol=1e-6, atol=0.0)
+            if not ok:
+                raise ValueError(
+                    f"{who}: x{name} reached f's result other than through torchdi.distributed.functional_call. "
+                    "Layer by layer, f receives this process's shards of x (each FSDP2 unit's parameters are gathered "
+                    "only while the unit runs), so a computation on them elsewhere in f (a weight penalty, a copy) "
+                    "would differentiate a shard, not the parameter. Compute it inside the module, or use "
+                    "DataParallel(torchdi.AutoCompile()), which gives f the whole parameters."
+                )
+
+
+class _UnitRun:
+    """One forward of one unit: its shards, the full tensors gathered from them."""
+
+    def __init__(self, plan: _UnitPlan, call: LayeredCall) -> None:
+        self.plan = plan
+        self.call = call
+        self.shards: list[torch.Tensor] = []
+        self.fulls: list[torch.Tensor] = []
+
+    def _all_gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        world = self.call.world
+        chunks = [-(-shape[0] // world) for shape in self.plan.shapes]
+        flat = torch.cat([_pad_rows(s, c).reshape(-1) for s, c in zip(shards, chunks)])
+        self.call.gathered_elements.append(flat.numel() * world)
+        with outside_functorch():  # (torch.func's transforms run gloo's collectives into a crash)
+            rows = PublicCollectives.all_gather_single(flat, 0, self.call.group).view(world, -1)
+        pieces, offset = [], 0
+        for shape, chunk in zip(self.plan.shapes, chunks):
+            size = chunk * (shape.numel() // max(shape[0], 1))
+            pieces.append(rows[:, offset : offset + size].reshape(world * chunk, *shape[1:])[: shape[0]])
+            offset += size
+        return pieces
+
+    def gather(self, shards: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        self.shards = [s.detach() for s in shards]
+        # each its own memory, so that each can be freed and filled again on its own
+        self.fulls = [piece.clone(memory_format=torch.contiguous_format) for piece in self._all_gather(self.shards)]
+        return self.fulls
+
+    def free(self) -> None:
+        for full in self.fulls:
+            full.untyped_storage().resize_(0)
+
+    def regather(self) -> None:
+        if not self.fulls or self.fulls[0].untyped_storage().nbytes() > 0:
+            return  # (kept: an outermost unit, or already gathered again)
+        # Outside torch.func's transform (whose backward this runs in): the full tensors were
+        # made outside it, and writing into them is refused there.
+        with outside_functorch():
+            for full, piece in zip(self.fulls, self._all_gather(self.shards)):
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.data.copy_(piece)  # .data: the saved tensor's version stays, as it was saved
+
+    def reduce_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        world = self.call.world
+        chunks = [-(-shape[0] // world) for shape in self.plan.shapes]
+        pieces = []
+        for grad, full, chunk in zip(grads, self.fulls, chunks):
+            g = torch.zeros(full.shape, dtype=full.dtype) if grad is None else grad
+            pieces.append(_pad_rows(g, world * chunk).reshape(world, -1))
+        with outside_functorch():
+            part = PublicCollectives.reduce_scatter_single(torch.cat(pieces, dim=1).reshape(-1), "sum", 0, self.call.group)
+        out, offset = [], 0
+        for shard, shape, chunk in zip(self.shards, self.plan.shapes, chunks):
+            size = chunk * (shape.numel() // max(shape[0], 1))
+            grad = part[offset : offset + size].view(chunk, *shape[1:])[: shard.shape[0]] * self.call.scale
+            self.call.record(shard, grad)
+            out.append(grad)
+            offset += size
+        self.free()  # the unit's backward is over: its full parameters are not needed again
+        return out
+
+
+class _GatherUnit(torch.autograd.Function):
+    """A unit's shards -> its full parameters (all-gather); backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(run: _UnitRun, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with outside_functorch():
+            return tuple(run.gather(shards))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.run = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *ctx.run.reduce_scatter(grads))
+
+
+class _RegatherInBackward(torch.autograd.Function):
+    """The identity on a unit's outputs; backward: the unit's parameters gathered again."""
+
+    @staticmethod
+    def forward(run: _UnitRun, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.run = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.run.regather()
+        return (None, *grads)
+
+
+def _layered_call(module: torch.nn.Module, plan: _ModulePlan, dicts: tuple[dict[str, Any], ...], call: LayeredCall,
+                  args: Any, kwargs: dict[str, Any] | None, tie_weights: bool, strict: bool, several: bool) -> Any:
+    """``torch.func.functional_call`` with ``dicts`` holding this process's shards of the sharded
+    parameters, each unit's gathered just before it runs (see above)."""
+    values: dict[str, Any] = {}
+    for d in dicts:
+        values.update(d)
+    handles = []
+
+    def pre_hook(unit: _UnitPlan) -> Callable[..., None]:
+        def hook(module_: torch.nn.Module, inputs: Any) -> None:
+            run = _UnitRun(unit, call)
+            fulls = _GatherUnit.apply(run, *[values[name] for name in unit.names])
+            for full, places in zip(fulls, unit.slots):
+                for sub, attr in places:
+                    put_parameter(sub, attr, full)
+            runs[id(module_)] = run
+
+        return hook
+
+    def post_hook(module_: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        run = runs[id(module_)]
+        leaves, spec = pytree.tree_flatten(output)
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+        run.free()
+        if where and torch.is_grad_enabled():
+            wrapped = _RegatherInBackward.apply(run, *[leaves[i] for i in where])
+            for i, leaf in zip(where, wrapped):
+                leaves[i] = leaf
+            return pytree.tree_unflatten(leaves, spec)
+        return None
+
+    runs: dict[int, _UnitRun] = {}
+    for unit in plan.units:
+        for name, shape in zip(unit.names, unit.shapes):
+            value = values.get(name)
+            expected = (-(-shape[0] // call.world) if call.world else 0, *shape[1:])
+            if not isinstance(value, torch.Tensor) or value.dim() != len(shape) or tuple(value.shape[1:]) != tuple(shape[1:]) or value.shape[0] > expected[0]:
+                raise ValueError(
+                    f"torchdi.distributed.functional_call: parameter {name!r} of the FSDP2-sharded module needs this "
+                    f"process's shard (rows of a {tuple(shape)} tensor sharded on dim 0), got "
+                    f"{type(value).__name__ if not isinstance(value, torch.Tensor) else tuple(value.shape)}: pass x's "
+                    "tensors as f receives them (params = dict(model.named_parameters()))."
+                )
+        handles.append(unit.module.register_forward_pre_hook(pre_hook(unit)))
+        if not unit.outermost:
+            handles.append(unit.module.register_forward_hook(post_hook))
+    # functional_call writes what the module holds at its end back into the dicts: the gathered
+    # tensors would replace the shards there (and torch.func, which reads its inputs back from
+    # them, would differentiate those). Copies take that; the rest (a buffer the module
+    # reassigned) is written back as functional_call would.
+    copies = tuple(dict(d) for d in dicts)
+    try:
+        with _fsdp_hooks_off([module]):
+            return torch.func.functional_call(module, copies if several else copies[0], args, kwargs, tie_weights=tie_weights, strict=strict)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for d, copy in zip(dicts, copies):
+            for name in d:
+                if name not in plan.sharded and copy.get(name, d[name]) is not d[name]:
+                    d[name] = copy[name]
+
+
 def functional_call(
     module: torch.nn.Module,
     parameter_and_buffer_dicts: Any,
@@ -287,11 +594,32 @@ def functional_call(
         # the module's own (views of them), else they would silently not be what is computed with.
         _check_own_tensors(module, dicts)
         return module(*args, **(kwargs or {}))
+    if _LAYERED[0] is not None:
+        # Inside DataParallel(AutoFunc()): the dicts hold this process's shards; each FSDP2 unit's
+        # are gathered while it runs, and its gradients reduce-scattered by its backward.
+        plan = _module_plan(module)
+        if plan is None:
+            raise ValueError(
+                f"torchdi.distributed.functional_call: {type(module).__name__} has FSDP2 parameters that are not all "
+                "sharded on dim 0 over one 1-D mesh (fully_shard's default), which DataParallel(torchdi.AutoFunc()) "
+                "gathers unit by unit; use DataParallel(torchdi.AutoAutograd()), which runs FSDP2's own hooks."
+            )
+        return _layered_call(module, plan, dicts, _LAYERED[0], args, kwargs, tie_weights, strict, several)
     if _GATHERED[0]:
         # Inside a DataParallel runner: full plain tensors, FSDP's hooks already off (switched
         # outside any compiled program, which would otherwise have to trace the switching).
         return torch.func.functional_call(module, parameter_and_buffer_dicts, args, kwargs, tie_weights=tie_weights, strict=strict)
     dtensor = _dtensor_type()
+    if dtensor is not None and any(isinstance(v, dtensor) for d in dicts for v in d.values()):
+        # DTensor parameters on eager autograd (and at preparation): gathered unit by unit too,
+        # by the same operations on their local shards, whose gradients come back as DTensors.
+        plan = _module_plan(module)
+        given = {name for d in dicts for name, v in d.items() if isinstance(v, dtensor)}
+        if plan is not None and plan.sharded == given:
+            mesh = plan.mesh
+            call = LayeredCall(mesh.get_group(), mesh.size(), 1.0 / mesh.size())
+            local = tuple({name: v.to_local() if name in given else v for name, v in d.items()} for d in dicts)
+            return _layered_call(module, plan, local, call, args, kwargs, tie_weights, strict, several)
     with _fsdp_hooks_off([module]):
         if dtensor is not None:
             dicts = tuple({name: _full(module, name, value, dtensor) for name, value in d.items()} for d in dicts)
@@ -659,6 +987,19 @@ def reduced_gradient(layout: Layout, body: Callable[..., Any], op: str) -> Calla
         return layout.reduce(value, grads, op)
 
     return run
+
+
+@contextlib.contextmanager
+def running_layered(call: LayeredCall, contexts: tuple[Any, ...]) -> Iterator[None]:
+    """While a ``DataParallel(AutoFunc())`` runner runs ``f`` on ``x``'s shards: FSDP2's hooks
+    off on the modules among the contexts, ``functional_call`` gathering unit by unit."""
+    modules = [leaf for leaf in pytree.tree_leaves(contexts) if isinstance(leaf, torch.nn.Module)]
+    with _fsdp_hooks_off(modules):
+        previous, _LAYERED[0] = _LAYERED[0], call
+        try:
+            yield
+        finally:
+            _LAYERED[0] = previous
 
 
 @contextlib.contextmanager

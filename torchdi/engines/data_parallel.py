@@ -16,13 +16,16 @@ from typing import Any, ClassVar
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.backends import AutoAutograd, AutoCompile, DataParallel
+from torchdi._distributed_private import layer_by_layer
+from torchdi.backends import AutoAutograd, AutoCompile, AutoFunc, DataParallel
 from torchdi.distributed import (
     FsdpUnits,
+    LayeredCall,
     Layout,
     reduced_gradient,
     require_process_group,
     running_gathered,
+    running_layered,
 )
 from torchdi.engines._compiled import CompiledRunner
 from torchdi.errors import UnsupportedOperatorError
@@ -42,6 +45,9 @@ class DataParallelRunner:
         self.inner: Any = None
         # FSDP2 x on AutoAutograd: FSDP2's own hooks, layer by layer (distributed.FsdpUnits)
         self.units: FsdpUnits | None = None
+        # FSDP2 x on AutoFunc: the wrapped gradient on the shards, f's functional_call gathering
+        # unit by unit (distributed.LayeredCall)
+        self.layered: Any = None
 
     @property
     def num_compilations(self) -> int:
@@ -56,6 +62,8 @@ class DataParallelRunner:
             if self.units is not None:
                 return  # the gathering route is built only if a call needs it (see __call__)
         self.layout = Layout.of(x, self.backend.group, who)
+        if isinstance(wrapped, AutoFunc) and self.layout.sharded and self.layered is None and layer_by_layer():
+            self.layered = build_runner(wrapped, "gradient", self.f, self.spec)
         eager = wrapped.inner if isinstance(wrapped, AutoCompile) else wrapped
         body = reduced_gradient(self.layout, build_runner(eager, "gradient", self.f, self.spec), self.backend.op)
         if isinstance(wrapped, AutoCompile):
@@ -78,10 +86,33 @@ class DataParallelRunner:
         if self.layout is None:
             self.warm_up(x, tangents, contexts)
         assert self.layout is not None
+        if self.layered is not None and not torch.is_grad_enabled():
+            return self._layered(x, tangents, contexts)
         local = self.layout.lower(x, repr(self.backend))
         with running_gathered(contexts):
             value, grads = self.inner(local, tangents, contexts)
         return value, self.layout.lift(grads)
+
+    def _layered(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
+        """FSDP2 ``x`` on ``AutoFunc``: ``torch.func``'s gradient of ``f`` on the shards, each unit's
+        parameters all-gathered while it runs and its gradients reduce-scattered by its backward
+        (``functional_call`` under ``running_layered``), so that a process holds the full
+        parameters of the root and one unit at a time, as with FSDP2's own hooks."""
+        layout = self.layout
+        assert layout is not None
+        who = repr(self.backend)
+        local = layout.lower(x, who)
+        scale = 1.0 / layout.world if self.backend.op == "mean" else 1.0
+        call = LayeredCall(layout.group, layout.world, scale, local)
+        with running_layered(call, contexts):
+            value, grads = self.layered(pytree.tree_unflatten(local, layout.spec), tangents, contexts)
+        grads = pytree.tree_leaves(grads)
+        call.check(grads, [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(x)[0]], who)
+        if value is not None:
+            total = value.detach().clone()
+            torch.distributed.all_reduce(total, group=layout.group)
+            value = total * scale
+        return value, layout.lift(grads)
 
 
 class DataParallelEngine:
