@@ -20,17 +20,23 @@ interleaved repeats (each repeat times a block of steps of every contender in tu
 processes in step through a barrier), with the ratio to the contender's PyTorch counterpart,
 all from the same run.
 
-``--memory`` measures instead the per-process peak memory of a step, FSDP2 eager against torchdi
-on ``DataParallel(AutoAutograd())`` (FSDP2's hooks, unit by unit) and ``DataParallel(AutoFunc())``
-(all shards gathered at once) (eager, so that no compiler's own memory counts), on a model whose
-parameters dominate (an MLP of eight 1024x1024 layers, 8.4M parameters): each contender runs in
-its own pair of fresh processes and reports the largest resident set size (``/proc/self/statm``,
-sampled every 0.5 ms by a thread) during three steps, above the resident size before the first
-step (model and optimizer built). The processes run with ``MALLOC_MMAP_THRESHOLD_=65536``, so
-that every block of 64 KiB or more is returned to the system when freed and the resident size
-follows the live tensors (glibc's default raises the threshold as blocks are freed, and then
-keeps them: the peak would measure the allocator rather than the tensors). Still approximate,
-but the same for all.
+``--memory`` measures instead, per process, the peak memory of three steps and of the preparation,
+and steps/s, of FSDP2 eager against torchdi on ``DataParallel(AutoAutograd())`` (FSDP2's own
+hooks, unit by unit), ``DataParallel(AutoFunc())`` (unit by unit, as differentiable operations)
+and ``DataParallel(AutoCompile(compiler="aot_eager"))`` (all shards at once, in one compiled
+program), on a model whose parameters dominate (an MLP of eight 1024x1024 layers, 8.4M
+parameters, each layer and the root ``fully_shard``-ed): each contender runs in its own pair of
+fresh processes and reports the largest resident set size (``/proc/self/statm``, sampled every
+0.5 ms by a thread) during three steps, above the resident size before the first of them (model,
+optimizer states and preparation done; ``AutoCompile``'s compilation, at its first call, too);
+the same for the preparation; then steps/s over ten more steps. The processes run with
+``MALLOC_MMAP_THRESHOLD_=65536``, so that every block of 64 KiB or more is returned to the
+system when freed and the resident size follows the live tensors (glibc's default raises the
+threshold as blocks are freed, and then keeps them: the peak would measure the allocator rather
+than the tensors). Still approximate (a sampled peak, Python's own memory), but the same for all.
+What CPU and gloo cannot show: gloo's collectives block the process, so the overlap of
+communication with computation that FSDP2's prefetching buys on a GPU interconnect does not
+exist here; steps/s compares computation and the number of collectives, not overlap.
 
 Run: ``python benchmarks/distributed.py [--repeats N] [--steps K] [--compiler inductor|aot_eager] [--markdown FILE]``
 or ``python benchmarks/distributed.py --memory``.
@@ -101,11 +107,13 @@ def backward_loop(model: nn.Module, compiled: str | None, data: list[torch.Tenso
 
 
 def torchdi_loop(model: nn.Module, sharded: bool, data: list[torch.Tensor], compiler: str | None) -> Step:
-    """``compiler=None``: DataParallel(AutoAutograd()) (on FSDP2, FSDP2's own hooks, unit by unit)."""
+    """``compiler=None``: DataParallel(AutoAutograd()) (on FSDP2, FSDP2's own hooks, unit by unit);
+    ``"func"``: DataParallel(AutoFunc()) (on FSDP2, unit by unit as differentiable operations)."""
     params = dict(model.named_parameters())
     optimizer = torch.optim.Adam(params.values(), lr=1e-3)
     call = td.distributed.functional_call if sharded else functional_call
-    backend = td.distributed.DataParallel(td.AutoAutograd() if compiler is None else td.AutoCompile(compiler=compiler))
+    inner = td.AutoAutograd() if compiler is None else td.AutoFunc() if compiler == "func" else td.AutoCompile(compiler=compiler)
+    backend = td.distributed.DataParallel(inner)
 
     def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return call(m, p, (ids,), {"labels": ids}).loss
@@ -127,6 +135,7 @@ CONTENDERS: dict[str, tuple[str | None, Callable[[list[torch.Tensor], str], Step
     "FSDP2 + torch.compile(model)": (None, lambda d, c: backward_loop(shard(gpt2()), "model", d, c)),
     "torchdi FSDP2": ("FSDP2 + torch.compile(model)", lambda d, c: torchdi_loop(shard(gpt2()), True, d, c)),
     "torchdi FSDP2 eager": ("FSDP2 eager", lambda d, c: torchdi_loop(shard(gpt2()), True, d, None)),
+    "torchdi FSDP2 AutoFunc": ("FSDP2 eager", lambda d, c: torchdi_loop(shard(gpt2()), True, d, "func")),
     "torch.compile(DDP(model))": (None, lambda d, c: backward_loop(nn.parallel.DistributedDataParallel(gpt2()), "model", d, c)),
     "torchdi data parallel": ("torch.compile(DDP(model))", lambda d, c: torchdi_loop(gpt2(), False, d, c)),
 }
@@ -182,6 +191,33 @@ def resident_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class PeakResident:
+    """The largest resident set size while the block runs, above the size at its start
+    (``/proc/self/statm`` sampled every 0.5 ms by a thread)."""
+
+    def __enter__(self) -> PeakResident:
+        self.base = resident_bytes()
+        self.peak = self.base
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, resident_bytes())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, resident_bytes())
+
+    @property
+    def above(self) -> int:
+        return self.peak - self.base
+
+
 def memory_worker(rank: int, world: int, port: int, contender: str, out: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -200,46 +236,59 @@ def memory_worker(rank: int, world: int, port: int, contender: str, out: Any) ->
         params = dict(model.named_parameters())
         g = torch.Generator().manual_seed(rank)
         data = [(torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)) for _ in range(3)]
-        backend = td.distributed.DataParallel(MEMORY_BACKENDS.get(contender, td.AutoFunc()))
+        backend = td.distributed.DataParallel(MEMORY_BACKENDS[contender]) if contender in MEMORY_BACKENDS else None
 
         def loss_fn(p: dict[str, torch.Tensor], m: nn.Module, batch: Any) -> torch.Tensor:
             return (td.distributed.functional_call(m, p, (batch[0],)) - batch[1]).pow(2).mean()
 
-        prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data[0])) if contender in MEMORY_BACKENDS else None
-        for p in model.parameters():  # Adam's states exist before the measurement, for both
+        prep, preparation = None, None
+        if backend is not None:
+            with PeakResident() as measured:
+                prep = td.prepare_gradient(loss_fn, backend, params, td.Constant(model), td.Constant(data[0]))
+            preparation = measured.above
+        for p in model.parameters():  # Adam's states exist before the measurement, for all
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad()
-        peak = [0]
-        done = threading.Event()
 
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], resident_bytes())
-                time.sleep(0.0005)
-
-        base = resident_bytes()
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        for batch in data:
+        def step(batch: Any) -> None:
             optimizer.zero_grad()
             if prep is None:
                 (model(batch[0]) - batch[1]).pow(2).mean().backward()
             else:
                 td.gradient(loss_fn, backend, params, td.Constant(model), td.Constant(batch), prep=prep, out=td.into_grad(params))
             optimizer.step()
-        done.set()
-        sampler.join()
+
+        step(data[0])  # (AutoCompile compiles at its first call: not in the measurement)
+        with PeakResident() as measured:
+            for batch in data:
+                step(batch)
+        dist.barrier()
+        start = time.perf_counter()
+        for i in range(MEMORY_TIMED_STEPS):
+            step(data[i % len(data)])
+        dist.barrier()
+        rate = MEMORY_TIMED_STEPS / (time.perf_counter() - start)
         if rank == 0:
-            out.put((peak[0] - base, sum(p.numel() for p in params.values())))
+            out.put((measured.above, preparation, rate, sum(p.numel() for p in params.values())))
     finally:
         dist.destroy_process_group()
 
 
-MEMORY_BACKENDS = {"torchdi DataParallel(AutoAutograd())": td.AutoAutograd(), "torchdi DataParallel(AutoFunc())": td.AutoFunc()}
+MEMORY_TIMED_STEPS = 10
+MEMORY_BACKENDS: dict[str, Any] = {
+    "torchdi DataParallel(AutoAutograd())": td.AutoAutograd(),
+    "torchdi DataParallel(AutoFunc())": td.AutoFunc(),
+    "torchdi DataParallel(AutoCompile(aot_eager))": td.AutoCompile(compiler="aot_eager"),
+}
+MEMORY_NOTES = {
+    "torchdi DataParallel(AutoAutograd())": "FSDP2's own hooks, unit by unit",
+    "torchdi DataParallel(AutoFunc())": "unit by unit, as differentiable operations",
+    "torchdi DataParallel(AutoCompile(aot_eager))": "all shards at once, one compiled program",
+}
 
 
-def measure_memory() -> int:
+def measure_memory(markdown: str | None = None) -> int:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned processes (see above)
     rows = {}
     for contender in ("FSDP2 eager", *MEMORY_BACKENDS):
@@ -249,12 +298,26 @@ def measure_memory() -> int:
         out = mp.get_context("spawn").SimpleQueue()
         mp.start_processes(memory_worker, args=(2, port, contender, out), nprocs=2, start_method="spawn")
         rows[contender] = out.get()
-    eager, numel = rows["FSDP2 eager"]
-    print(f"MLP 8x1024x1024 ({numel / 1e6:.1f}M parameters), 2 gloo processes, 3 Adam steps, peak resident set above the start of the steps:")
-    print(f"| FSDP2 eager | {eager / 2**20:.0f} MiB |")
+    eager, _, eager_rate, numel = rows["FSDP2 eager"]
+    lines = [
+        f"MLP 8x1024x1024 ({numel / 1e6:.1f}M parameters, each layer and the root fully_shard-ed), batch 64, 2 gloo "
+        f"processes, 1 thread each, torch {torch.__version__}: peak resident set of 3 Adam steps above their start; of "
+        f"the preparation above its start; steps/s of {MEMORY_TIMED_STEPS} more steps",
+        "",
+        "| contender | peak of a step | vs FSDP2 eager | peak of the preparation | steps/s | vs FSDP2 eager |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| FSDP2 eager (`loss.backward()`) | {eager / 2**20:.0f} MiB | | | {eager_rate:.1f} | |",
+    ]
     for contender in MEMORY_BACKENDS:
-        ours = rows[contender][0]
-        print(f"| {contender} | {ours / 2**20:.0f} MiB ({ours / max(eager, 1):.2f}x) |")
+        ours, preparation, rate, _ = rows[contender]
+        lines.append(
+            f"| {contender} ({MEMORY_NOTES[contender]}) | {ours / 2**20:.0f} MiB | {ours / max(eager, 1):.2f}x | "
+            f"{preparation / 2**20:.0f} MiB | {rate:.1f} | {rate / eager_rate:.2f}x |"
+        )
+    print("\n".join(lines))
+    if markdown:
+        with open(markdown, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
     return 0
 
 
@@ -278,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="measure per-process peak memory instead (see above)")
     args = parser.parse_args(argv)
     if args.memory:
-        return measure_memory()
+        return measure_memory(args.markdown)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
