@@ -350,6 +350,12 @@ class LayeredCall:
         self.index = {_storage_key(t): i for i, t in enumerate(shards)} if shards is not None else None
         self.received: dict[int, list[torch.Tensor]] = {}
         self.gathered_elements: list[int] = []  # the size of each all-gather, in order (for tests)
+        self.live_bytes = 0  # of gathered full parameters alive now, and at most (for benchmarks)
+        self.peak_bytes = 0
+
+    def count(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def record(self, shard: torch.Tensor, grad: torch.Tensor) -> None:
         if self.index is not None:
@@ -359,8 +365,9 @@ class LayeredCall:
 
     def check(self, grads: list[torch.Tensor], names: list[str], who: str) -> None:
         """Raise unless each gradient is exactly what the gathers of its shard reduce-scattered."""
+        received, self.received, self.index = self.received, {}, None  # (held no longer than the call)
         for i, (grad, name) in enumerate(zip(grads, names)):
-            parts = self.received.get(i)
+            parts = received.get(i)
             if parts is None:
                 ok = not bool(grad.ne(0).any())
             elif len(parts) == 1:
@@ -404,10 +411,12 @@ class _UnitRun:
         self.shards = [s.detach() for s in shards]
         # each its own memory, so that each can be freed and filled again on its own
         self.fulls = [piece.clone(memory_format=torch.contiguous_format) for piece in self._all_gather(self.shards)]
+        self.call.count(sum(full.untyped_storage().nbytes() for full in self.fulls))
         return self.fulls
 
     def free(self) -> None:
         for full in self.fulls:
+            self.call.count(-full.untyped_storage().nbytes())
             full.untyped_storage().resize_(0)
 
     def regather(self) -> None:
@@ -418,17 +427,24 @@ class _UnitRun:
         with outside_functorch():
             for full, piece in zip(self.fulls, self._all_gather(self.shards)):
                 full.untyped_storage().resize_(full.numel() * full.element_size())
+                self.call.count(full.untyped_storage().nbytes())
                 full.data.copy_(piece)  # .data: the saved tensor's version stays, as it was saved
 
     def reduce_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
         world = self.call.world
         chunks = [-(-shape[0] // world) for shape in self.plan.shapes]
+        # The unit's backward is over (every node that saved its full parameters has passed its
+        # gradient here): they are freed before the reduce-scatter allocates.
+        self.free()
         pieces = []
         for grad, full, chunk in zip(grads, self.fulls, chunks):
-            g = torch.zeros(full.shape, dtype=full.dtype) if grad is None else grad
+            g = torch.zeros(full.shape, dtype=full.dtype, device=full.device) if grad is None else grad
             pieces.append(_pad_rows(g, world * chunk).reshape(world, -1))
+        flat = torch.cat(pieces, dim=1).reshape(-1)
+        del pieces
         with outside_functorch():
-            part = PublicCollectives.reduce_scatter_single(torch.cat(pieces, dim=1).reshape(-1), "sum", 0, self.call.group)
+            part = PublicCollectives.reduce_scatter_single(flat, "sum", 0, self.call.group)
+        del flat
         out, offset = [], 0
         for shard, shape, chunk in zip(self.shards, self.plan.shapes, chunks):
             size = chunk * (shape.numel() // max(shape[0], 1))
@@ -436,7 +452,7 @@ class _UnitRun:
             self.call.record(shard, grad)
             out.append(grad)
             offset += size
-        self.free()  # the unit's backward is over: its full parameters are not needed again
+        self.fulls, self.shards = [], []
         return out
 
 
@@ -454,7 +470,8 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, *ctx.run.reduce_scatter(grads))
+        run, ctx.run = ctx.run, None  # (no cycle through the graph keeps the unit's tensors alive)
+        return (None, *run.reduce_scatter(grads))
 
 
 class _RegatherInBackward(torch.autograd.Function):
@@ -470,7 +487,8 @@ class _RegatherInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.run.regather()
+        run, ctx.run = ctx.run, None
+        run.regather()
         return (None, *grads)
 
 

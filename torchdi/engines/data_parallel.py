@@ -48,6 +48,7 @@ class DataParallelRunner:
         # FSDP2 x on AutoFunc: the wrapped gradient on the shards, f's functional_call gathering
         # unit by unit (distributed.LayeredCall)
         self.layered: Any = None
+        self.last_call: LayeredCall | None = None  # (what the last call gathered: for tests and benchmarks)
 
     @property
     def num_compilations(self) -> int:
@@ -103,7 +104,7 @@ class DataParallelRunner:
         who = repr(self.backend)
         local = layout.lower(x, who)
         scale = 1.0 / layout.world if self.backend.op == "mean" else 1.0
-        call = LayeredCall(layout.group, layout.world, scale, local)
+        call = self.last_call = LayeredCall(layout.group, layout.world, scale, local)
         with running_layered(call, contexts):
             value, grads = self.layered(pytree.tree_unflatten(local, layout.spec), tangents, contexts)
         grads = pytree.tree_leaves(grads)
