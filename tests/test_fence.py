@@ -477,3 +477,31 @@ def test_fsdp_modules_without_the_hook_dicts_are_refused(single_process_group, m
     with caplog.at_level(logging.WARNING, logger="torchdi"), pytest.raises(td.UnsupportedOperatorError, match="FSDP"):
         td.gradient(_fsdp_loss, backend, dict(model.named_parameters()), td.Constant(model), td.Constant(data))
     assert len(_warnings_naming(caplog, "fsdp_hooks")) == 1
+
+
+def test_data_parallel_func_without_layer_by_layer_gathers_every_shard_at_once(single_process_group, monkeypatch, caplog):
+    """Where torch.func's interpreter stack cannot be set aside, DataParallel(AutoFunc()) gathers
+    every shard at once around f instead of unit by unit: the same gradients, one warning."""
+    from torchdi import _distributed_private
+
+    model, reference = _fsdp_model()
+    data = torch.randn(5, 3)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain.load_state_dict(reference)
+    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    backend = td.distributed.DataParallel(td.AutoFunc())
+    params = dict(model.named_parameters())
+    prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
+    layered = td.gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data), prep=prep)
+    # the root's own Linear gathered once (kept until its backward), the inner unit's twice
+    assert prep.runner.last_call.gathered_elements == [5, 16, 16]
+    monkeypatch.setattr(_distributed_private, "_CLEAR_STACK", None)
+    monkeypatch.setattr(_distributed_private.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
+        whole = td.gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data), prep=prep)
+    assert prep.runner.last_call is None
+    for name in want:
+        torch.testing.assert_close(layered[name].full_tensor(), want[name])
+        torch.testing.assert_close(whole[name].full_tensor(), want[name])
+    assert len(_warnings_naming(caplog, "layer_by_layer")) == 1
