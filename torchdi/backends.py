@@ -307,7 +307,10 @@ class DataParallel:
       they come back as DTensors with the parameters' placements (FSDP2's own communication).
       ``f`` calls ``torchdi.distributed.functional_call`` (which keeps FSDP2's hooks out). On
       ``AutoAutograd`` FSDP2's own hooks run instead, gathering the parameters layer by layer
-      (eager FSDP2's memory and prefetching; any mesh and placement ``fully_shard`` takes).
+      (eager FSDP2's memory and prefetching; any mesh and placement ``fully_shard`` takes). On
+      ``AutoFunc`` ``f`` receives the shards and ``functional_call`` gathers each unit while it
+      runs, by differentiable operations (its full parameters freed after its forward and
+      gathered again for its backward); ``f`` must then reach ``x`` only through it.
 
     On ``AutoCompile`` the collectives are inside the compiled program (traceable functional
     collectives); on eager backends they run eagerly around the gradient.

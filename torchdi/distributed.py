@@ -11,7 +11,9 @@ for the tensors passed in). The remedies:
   ``x`` is all-reduced in flat buckets; FSDP2 DTensor ``x`` is all-gathered before ``f`` and its
   gradient reduce-scattered after, as FSDP2 does; on ``AutoCompile`` inside the compiled program.
   On ``AutoAutograd``, FSDP2 ``x`` that is the modules' own parameters runs FSDP2's own hooks
-  instead (``FsdpUnits``): gathered layer by layer, with FSDP2's memory and prefetching.
+  instead (``FsdpUnits``): gathered layer by layer, with FSDP2's memory and prefetching. On
+  ``AutoFunc``, ``f`` receives the shards and ``functional_call`` gathers each FSDP2 unit while
+  it runs, by differentiable operations (``LayeredCall``): FSDP2's schedule without its hooks.
 - ``functional_call(module, params, args)``: ``torch.func.functional_call`` that keeps FSDP2's
   hooks out and takes DTensor parameters (gathered differentiably on eager autograd).
 - ``all_reduce_(grads)``: average a pytree of gradients in place, once per step.

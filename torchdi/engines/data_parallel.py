@@ -6,7 +6,9 @@ gathers them whole, runs the wrapped backend's gradient on them with FSDP2's hoo
 then reduces value and gradient (all-reduce, or reduce-scatter back to the shards) and wraps
 sharded gradients as DTensors again. On ``AutoCompile`` the gather, the gradient and the
 reduction are one compiled program (functional collectives are traceable); on eager backends
-the same functions run eagerly.
+the same functions run eagerly. Two routes gather unit by unit instead: FSDP2's own hooks on
+``AutoAutograd`` (``distributed.FsdpUnits``), and on ``AutoFunc`` the wrapped gradient of ``f`` on
+the shards, whose ``functional_call`` gathers each unit while it runs (``distributed.LayeredCall``).
 """
 
 from __future__ import annotations
