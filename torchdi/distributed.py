@@ -281,7 +281,10 @@ class _ModulePlan:
     sharded: frozenset[str]  # every name of a parameter some unit gathers
 
 
+# The plans of the last few modules called (by id, checked against their parameters' ids): a
+# plan holds its modules, so the cache is small rather than keyed weakly.
 _PLANS: dict[int, _ModulePlan] = {}
+_PLANS_KEPT = 8
 
 
 def _module_plan(module: torch.nn.Module) -> _ModulePlan | None:
@@ -336,7 +339,10 @@ def _module_plan(module: torch.nn.Module) -> _ModulePlan | None:
     if mesh is None:
         return None
     plan = _ModulePlan(key, tuple(plans), mesh, frozenset(n for p in plans for n in p.names))
+    _PLANS.pop(id(module), None)
     _PLANS[id(module)] = plan
+    while len(_PLANS) > _PLANS_KEPT:
+        del _PLANS[next(iter(_PLANS))]  # the oldest
     return plan
 
 
