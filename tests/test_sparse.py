@@ -213,6 +213,30 @@ def random_symmetric(n: int, density: float, seed: int, diagonal: bool = True) -
     return IndexSets.from_dense(upper | upper.T | (np.eye(n, dtype=bool) & diagonal))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_index_sets_uniform_fast_paths_equal_the_general_ones(seed):
+    # take and union read uniform sets (every row the same length) as one block; the results
+    # must be the sets the general CSR paths give (compared through dense masks).
+    rng = np.random.default_rng(seed)
+    n, width = 30, 3
+    block = np.sort(np.stack([rng.choice(40, size=width, replace=False) for _ in range(n)]), axis=1)
+    uniform = IndexSets.uniform(block, 40)
+    general = IndexSets(uniform.indptr.copy(), uniform.indices.copy(), 40)  # width computed, not given
+    assert uniform.width == general.width == width
+    assert random_pattern(n, 40, 0.3, seed).width == -1
+    dense = general.to_dense()
+    rows = rng.integers(0, n, size=50)
+    assert np.array_equal(uniform.take(rows).to_dense(), dense[rows])
+    assert uniform.take(rows).width == width
+    with_missing = np.where(rng.random(50) < 0.3, -1, rows)
+    assert np.array_equal(uniform.take(with_missing).to_dense(), np.where((with_missing >= 0)[:, None], dense[rows], False))
+    other = IndexSets.uniform(np.sort(rng.integers(0, 40, size=(n, 1)), axis=1), 40)  # overlaps block's rows at random
+    union = IndexSets.union([uniform, other, IndexSets.identity(40).take(np.arange(n))])
+    assert np.array_equal(union.to_dense(), dense | other.to_dense() | np.eye(n, 40, dtype=bool))
+    assert all(np.all(np.diff(union.indices[a:b]) > 0) for a, b in zip(union.indptr[:-1], union.indptr[1:]))  # sorted, distinct
+    assert IndexSets.union([uniform, uniform]) == uniform
+
+
 def banded(n: int, lower: int, upper: int) -> np.ndarray:
     i = np.arange(n)
     return (i[None, :] - i[:, None] <= upper) & (i[:, None] - i[None, :] <= lower)

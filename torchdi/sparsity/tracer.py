@@ -235,7 +235,13 @@ def _map(fn: Callable[[Any], Any], obj: Any) -> Any:
 
 
 def _refs_in(refs: Any) -> list[_Ref]:
-    return [r for r in _leaves(refs) if isinstance(r, _Ref)]
+    found: list[_Ref] = []
+    for item in refs.values() if isinstance(refs, dict) else refs:
+        if isinstance(item, _Ref):
+            found.append(item)
+        elif isinstance(item, (list, tuple, dict)):
+            found += _refs_in(item)
+    return found
 
 
 def _remember(value: Any, refs: Any) -> None:
@@ -273,6 +279,29 @@ def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: 
 
 
 _SCALAR_ARGUMENTS: dict[Any, dict[str, bool]] = {}
+_OP_INFO: dict[Any, tuple[str, str, bool, bool] | None] = {}
+
+
+def _op_info(target: Any) -> tuple[str, str, bool, bool] | None:
+    """An aten op's packet name, kind (``"write"``: it writes its first argument, ``"view"``:
+    its result aliases an input, else ``"functional"``), and whether it is tagged pointwise and
+    nondeterministic_seeded; ``None`` when ``target`` is not an aten operator. Cached per op:
+    reading schemas and tags costs more than most rules."""
+    if target in _OP_INFO:
+        return _OP_INFO[target]
+    schema = op_schema(target)
+    info: tuple[str, str, bool, bool] | None = None
+    if schema is not None:
+        if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+            kind = "write"
+        elif schema.returns and schema.returns[0].alias_info is not None:
+            kind = "view"
+        else:
+            kind = "functional"
+        tags = cast(Any, target).tags
+        info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags)
+    _OP_INFO[target] = info
+    return info
 
 
 def _scalar_arguments(target: Any) -> dict[str, bool]:
@@ -355,6 +384,11 @@ class _Interpreter:
 
     def register(self, value: Any, refs: Any) -> None:
         """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
+        if isinstance(value, torch.Tensor) and isinstance(refs, _Ref):  # most ops: one tensor
+            if refs.positions is None and refs.store.value is None:
+                refs.store.value = value
+            self.known[id(value)] = (value, refs)
+            return
         _remember(value, refs)
         for v, r in zip(_leaves(value), _leaves(refs)):
             if isinstance(v, torch.Tensor) and isinstance(r, _Ref):
@@ -374,28 +408,37 @@ class _Interpreter:
         self.register(tensor, ref)
         return ref
 
-    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
-        def ref(a: Any) -> Any:
-            return self.ref_of(a) if isinstance(a, torch.Tensor) else a
+    def ref_args(self, args: Any) -> Any:
+        """``args`` with each tensor replaced by its refs (lists and tuples walked; the common flat
+        case without the generic ``_map``: this runs for every op)."""
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append(self.ref_of(a))
+            elif isinstance(a, (list, tuple)):
+                out.append(_map(lambda b: self.ref_of(b) if isinstance(b, torch.Tensor) else b, a))
+            else:
+                out.append(a)
+        return out
 
-        refs = (_map(ref, positional), {k: _map(ref, v) for k, v in keywords.items()})
+    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
+        refs = (tuple(self.ref_args(positional)), dict(zip(keywords, self.ref_args(keywords.values()))))
         value = target(*positional, **keywords)
-        if any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
+        if not isinstance(value, torch.Tensor) and any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
             # A Python number read from x or a context (.item(), if on a tensor): what f does next
             # depends on the value, so no pattern from this one run holds for every x.
             raise RuntimeError(
                 f"f reads a value computed from x or a context ({target}): data-dependent Python control flow"
             )
         args = (tuple(positional), keywords)
-        refs = (tuple(refs[0]), refs[1])
-        schema = op_schema(target)
-        if schema is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
+        info = _op_info(target)
+        if info is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
             self.register(value, self.fallback(str(target), value, refs, fixed=False))
             return value
-        name = cast(Any, target).overloadpacket.__name__
-        if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        name, kind = info[:2]
+        if kind == "write":
             result = self.write(target, name, value, args, refs)
-        elif schema.returns and schema.returns[0].alias_info is not None:
+        elif kind == "view":
             result = self.view(target, value, args, refs)
         else:
             result = self.functional(target, name, value, args, refs)
@@ -470,12 +513,14 @@ class _Interpreter:
 
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
-        fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
-        if torch.Tag.nondeterministic_seeded in target.tags:
-            fixed = False
+        info = _op_info(target)
+        pointwise, nondeterministic = (False, False) if info is None else info[2:]
         inputs = _refs_in(refs)
-        outputs = _leaves(value)
-        float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs)
+        fixed = self.read_created and all(r.fixed for r in inputs) and name not in _ARBITRARY_VALUES and not nondeterministic
+        if isinstance(value, torch.Tensor):
+            float_out = value.is_floating_point() or value.is_complex()
+        else:
+            float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in _leaves(value))
         if not float_out or name in _ZERO_DERIVATIVE or all(r.store.sets.nnz == 0 for r in inputs):
             return _map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
         (positional, keywords) = args
@@ -502,7 +547,7 @@ class _Interpreter:
                 return _map(lambda s: _Ref(_Store(s, fixed)), sets)
         elif name == "mul" and len(positional) == 2:
             return _Ref(_Store(self.pointwise(value.shape, positional, ref_pos, masks=True), fixed))
-        elif torch.Tag.pointwise in target.tags and isinstance(value, torch.Tensor):
+        elif pointwise and isinstance(value, torch.Tensor):
             return _Ref(_Store(self.pointwise(value.shape, positional + tuple(keywords.values()), ref_pos + tuple(ref_kw.values())), fixed))
         elif name in _REDUCTIONS:
             sets = self.reduction(target, value, positional, keywords, ref_pos)
