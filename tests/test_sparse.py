@@ -110,7 +110,33 @@ RULE_CASES = {
         lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
         torch.rand(6) + 1,
     ),
+    # Writes: the first run (not functionalized) stops at f's first write and f is traced again
+    # functionalized; f's own `except Exception` must not swallow that stop.
+    "write-into-slice": (lambda x: _writes_in_place(x), torch.rand(4) + 1),
+    "write-into-created": (lambda x: _writes_into_created(x), torch.rand(4) + 1),
+    "write-in-try": (lambda x: _writes_in_try(x), torch.rand(4) + 1),
 }
+
+
+def _writes_in_place(x):
+    y = x * 2
+    y[1:3] += x[:2] ** 2
+    return y.mul_(3)
+
+
+def _writes_into_created(x):
+    buffer = torch.zeros(3)
+    buffer[1:] = x[:2] * x[2:]
+    return buffer
+
+
+def _writes_in_try(x):
+    y = x.clone()
+    try:
+        y[0] = x[3]
+    except Exception:  # a tracer that signalled with an Exception would lose the write here
+        pass
+    return y
 
 
 @pytest.mark.parametrize("case", sorted(RULE_CASES))

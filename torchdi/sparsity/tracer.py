@@ -114,13 +114,20 @@ def trace_sparsity(
             tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
             # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
             # numpy methods): any tensor f creates may hold them, so none is read.
-            interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
             try:
                 with warnings.catch_warnings():
                     # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
                     warnings.filterwarnings("ignore", message="To copy construct from a tensor")
-                    traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
-                    return interpreter.run(traceable, x, tensors)
+                    traceable = _traceable(f, leaves, spec, slots, hessian)
+                    # First as f is: functionalizing costs a fifth of a small trace. At f's first
+                    # write (before it runs, so x and the copies are intact) the run stops and f
+                    # is traced again functionalized, where writes become *_scatter ops.
+                    try:
+                        return _Interpreter(x.numel(), read_created=as_tensors, varying=varying, stop_at_writes=True).run(traceable, x, tensors)
+                    except _Writes:
+                        pass
+                    interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
+                    return interpreter.run(functionalize(traceable, remove="mutations"), x, tensors)
             except Exception as failure:
                 error = error or failure
                 continue
@@ -152,6 +159,10 @@ def _traceable(
         return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
 
     return gradient
+
+
+class _Writes(BaseException):  # a signal, not an error: f's own `except Exception` lets it through
+    """Raised at f's first op that writes into a tensor, in a run that is not functionalized."""
 
 
 class _Store:
@@ -279,18 +290,19 @@ def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: 
 
 
 _SCALAR_ARGUMENTS: dict[Any, dict[str, bool]] = {}
-_OP_INFO: dict[Any, tuple[str, str, bool, bool] | None] = {}
+_OP_INFO: dict[Any, tuple[str, str, bool, bool, bool] | None] = {}
 
 
-def _op_info(target: Any) -> tuple[str, str, bool, bool] | None:
+def _op_info(target: Any) -> tuple[str, str, bool, bool, bool] | None:
     """An aten op's packet name, kind (``"write"``: it writes its first argument, ``"view"``:
-    its result aliases an input, else ``"functional"``), and whether it is tagged pointwise and
-    nondeterministic_seeded; ``None`` when ``target`` is not an aten operator. Cached per op:
-    reading schemas and tags costs more than most rules."""
+    its result aliases an input, else ``"functional"``), whether it is tagged pointwise and
+    nondeterministic_seeded, and whether it writes into any argument (in place or ``out=``);
+    ``None`` when ``target`` is not an aten operator. Cached per op: reading schemas and tags
+    costs more than most rules."""
     if target in _OP_INFO:
         return _OP_INFO[target]
     schema = op_schema(target)
-    info: tuple[str, str, bool, bool] | None = None
+    info: tuple[str, str, bool, bool, bool] | None = None
     if schema is not None:
         if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
             kind = "write"
@@ -299,7 +311,8 @@ def _op_info(target: Any) -> tuple[str, str, bool, bool] | None:
         else:
             kind = "functional"
         tags = cast(Any, target).tags
-        info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags, writes)
     _OP_INFO[target] = info
     return info
 
@@ -334,8 +347,10 @@ class _Interpreter:
     functions, and the graph was then run a second time to get the values the rules read.
     """
 
-    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
+    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None, stop_at_writes: bool = False) -> None:
         self.n = n
+        # True: f runs as it is (not functionalized), and its first write raises _Writes.
+        self.stop_at_writes = stop_at_writes
         self.fallbacks: list[str] = []
         # False: the values of tensors f creates or closes over are not read (they may hold a
         # context's value); ``varying``: storages of such tensors (a module context's parameters).
@@ -422,6 +437,9 @@ class _Interpreter:
         return out
 
     def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
+        info = _op_info(target)
+        if self.stop_at_writes and (info is None or info[4]):  # a write, or an op whose writes are unknown
+            raise _Writes
         refs = (tuple(self.ref_args(positional)), dict(zip(keywords, self.ref_args(keywords.values()))))
         value = target(*positional, **keywords)
         if not isinstance(value, torch.Tensor) and any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
@@ -431,7 +449,6 @@ class _Interpreter:
                 f"f reads a value computed from x or a context ({target}): data-dependent Python control flow"
             )
         args = (tuple(positional), keywords)
-        info = _op_info(target)
         if info is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
             self.register(value, self.fallback(str(target), value, refs, fixed=False))
             return value
@@ -514,7 +531,7 @@ class _Interpreter:
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
         info = _op_info(target)
-        pointwise, nondeterministic = (False, False) if info is None else info[2:]
+        pointwise, nondeterministic = (False, False) if info is None else info[2:4]
         inputs = _refs_in(refs)
         fixed = self.read_created and all(r.fixed for r in inputs) and name not in _ARBITRARY_VALUES and not nondeterministic
         if isinstance(value, torch.Tensor):
