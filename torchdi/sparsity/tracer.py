@@ -1,8 +1,9 @@
 """``TracerSparsity``: a global, conservative sparsity pattern from ``f``'s aten graph.
 
-``f`` is run once (functionalized: in-place writes become ``*_scatter`` ops; views stay views,
-because removing them loses the storage offsets that autograd's backward of a write into a slice
-reads through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
+``f`` is run once (an ``f`` that writes into a tensor: stopped at its first write and run again
+functionalized, where in-place writes become ``*_scatter`` ops; views stay views, because
+removing them loses the storage offsets that autograd's backward of a write into a slice reads
+through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
 interprets it on *index sets*: for every element of every tensor, the set of flat input indices
 it may depend on. The
 pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
