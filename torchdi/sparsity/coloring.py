@@ -296,7 +296,18 @@ def column_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
     conflict graph (``rows x row length^2`` pairs): each row keeps the set of colours already used
     in it as the bits of a Python int, so colouring a column costs two passes over its own rows.
     Only the degree-based orders build the graph.
+
+    Computed once per pattern object and colouring (a copy is returned): the numerical check of
+    a traced pattern colours it as a preparation with the default colouring does.
     """
+    memo: dict[GreedyColoring, np.ndarray] = pattern.__dict__.setdefault("_column_colorings", {})
+    found = memo.get(coloring)
+    if found is None:
+        found = memo[coloring] = _column_coloring(pattern, coloring)
+    return found.copy()
+
+
+def _column_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
     banded = _banded_columns(pattern)
     if banded is not None:
         return banded

@@ -171,7 +171,11 @@ class IndexSets:
         return IndexSets(indptr, np.concatenate([p.indices for p in parts]), parts[0].ncols)
 
     def transpose(self) -> IndexSets:
-        return IndexSets.from_pairs(self.indices, self.row_ids(), self.ncols, self.nrows)
+        """The sets of the transposed matrix (computed once per object: sets are never changed in place)."""
+        cached = self.__dict__.get("_transposed")
+        if cached is None:
+            cached = self.__dict__["_transposed"] = IndexSets.from_pairs(self.indices, self.row_ids(), self.ncols, self.nrows)
+        return cached
 
     def to_dense(self) -> np.ndarray:
         dense = np.zeros((self.nrows, self.ncols), dtype=bool)
