@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     # Every preparation detects and colours afresh, as asdex does: torchdi's on-disk cache
     # (TORCHDI_CACHE_DIR) would otherwise serve the second detection of a problem from disk.
     os.environ["TORCHDI_CACHE_DIR"] = ""
+    # XLA's CPU client runs on as many threads as torch does (before jax is imported): its own
+    # pool of one thread per core made asdex's medians swing 10-50x on a shared machine.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_cpu_multi_thread_eigen={'true' if args.threads > 1 else 'false'}"
+        f" intra_op_parallelism_threads={args.threads}"
+    ).strip()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
     rows = run(args.quick, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True), only=args.only)
