@@ -2,7 +2,10 @@
 
 Per problem: the colours torchdi and asdex use, sparsity detection (torchdi's ``TracerSparsity``
 with the numerical check of its pattern, ``prep.detection_seconds``, against
-``asdex.jacobian_sparsity``/``hessian_sparsity``, medians of 3), the prepared sparse call
+``asdex.jacobian_sparsity``/``hessian_sparsity``, in turn per repeat, medians of 7; torchdi's
+on-disk cache is off, so every preparation detects afresh as asdex does), the colouring left
+after detection (``prep.coloring_seconds``: the check already coloured a jacobian's columns and
+rows with the default colouring, which the preparation reuses), the prepared sparse call
 (``AutoSparse(AutoCompile())``), asdex's jitted call on the same function written in
 ``jax.numpy`` (float32 both, same input), their ratio, and the dense prepared call on the same
 ``AutoCompile`` (medians of interleaved repeats in one process, one thread, after one untimed
@@ -14,8 +17,11 @@ time the colouring alone: a 10^5 x 10^5 banded pattern (5 non-zeros per row) per
 a 10^5 tridiagonal hessian (star, acyclic), an n=1e4 arrowhead jacobian (bidirectional) and a
 dense 300 x 300 hessian.
 
-Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]`` or
-``python -m torchdi bench --suite sparse`` (quick). ``--readme`` writes the table between the
+Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]
+[--only TEXT]`` or ``python -m torchdi bench --suite sparse`` (quick). JAX runs on the same number
+of threads (``XLA_FLAGS``). The asdex columns need an environment with jax and asdex beside torch,
+e.g. ``python3 -m venv /tmp/venv-asdex && /tmp/venv-asdex/bin/pip install torch==2.13.0 jax==0.10.2
+jaxlib==0.10.2 asdex==0.5.1 numpy scipy && /tmp/venv-asdex/bin/pip install --no-deps -e .``. ``--readme`` writes the table between the
 ``<!-- torchdi-sparse:start -->`` and ``<!-- torchdi-sparse:end -->`` markers of README.md.
 """
 
@@ -292,6 +298,10 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None], only: list[
     return rows
 
 
+def fresh(pattern: IndexSets) -> IndexSets:
+    return IndexSets(pattern.indptr, pattern.indices, pattern.ncols)
+
+
 def colouring_rows(progress: Callable[[str], None], only: list[str] | None = None) -> list[dict[str, str]]:
     """Colouring alone, on closed-form patterns (medians of 3, wall time)."""
     n = 100_000
@@ -309,11 +319,12 @@ def colouring_rows(progress: Callable[[str], None], only: list[str] | None = Non
     )
     cases: list[tuple[str, str, IndexSets, Callable[[], int]]] = []
     for order in ("natural", "largest_first", "smallest_last", "incidence_degree", "dynamic_largest_first", "random"):
-        cases.append((f"banded 1e5 (5 per row), {order}", "columns", banded, lambda o=order: int(column_coloring(banded, GreedyColoring(o)).max()) + 1))  # type: ignore[misc]
+        # A fresh pattern object per call: column colourings are memoized per pattern object.
+        cases.append((f"banded 1e5 (5 per row), {order}", "columns", banded, lambda o=order: int(column_coloring(fresh(banded), GreedyColoring(o)).max()) + 1))  # type: ignore[misc]
     cases += [
         ("tridiagonal hessian 1e5, star", "star", tridiagonal, lambda: int(star_coloring(tridiagonal, GreedyColoring()).max()) + 1),
         ("tridiagonal hessian 1e5, acyclic", "substitution", tridiagonal, lambda: int(acyclic_coloring(tridiagonal, GreedyColoring()).max()) + 1),
-        ("arrowhead jacobian 1e4, bidirectional", "mixed", arrow, lambda: sum(int(c.max()) + 1 for c in bidirectional_coloring(arrow, GreedyColoring()))),
+        ("arrowhead jacobian 1e4, bidirectional", "mixed", arrow, lambda: sum(int(c.max()) + 1 for c in bidirectional_coloring(fresh(arrow), GreedyColoring()))),
         ("dense hessian 300, star", "star", IndexSets.full(300, 300), lambda: int(star_coloring(IndexSets.full(300, 300), GreedyColoring()).max()) + 1),
     ]
     rows = []
