@@ -300,20 +300,21 @@ def _op_info(target: Any) -> tuple[str, str, bool, bool, bool] | None:
     nondeterministic_seeded, and whether it writes into any argument (in place or ``out=``);
     ``None`` when ``target`` is not an aten operator. Cached per op: reading schemas and tags
     costs more than most rules."""
-    if target in _OP_INFO:
-        return _OP_INFO[target]
-    schema = op_schema(target)
-    info: tuple[str, str, bool, bool, bool] | None = None
-    if schema is not None:
-        if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
-            kind = "write"
-        elif schema.returns and schema.returns[0].alias_info is not None:
-            kind = "view"
-        else:
-            kind = "functional"
-        tags = cast(Any, target).tags
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags, writes)
+    schema = op_schema(target)  # first, every time: the fence's fallback (no schemas) is never cached over
+    if schema is None:
+        return None
+    found = _OP_INFO.get(target)
+    if found is not None:
+        return found
+    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        kind = "write"
+    elif schema.returns and schema.returns[0].alias_info is not None:
+        kind = "view"
+    else:
+        kind = "functional"
+    tags = cast(Any, target).tags
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags, writes)
     _OP_INFO[target] = info
     return info
 
