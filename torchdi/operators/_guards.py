@@ -19,6 +19,7 @@ from torchdi.translate import to_device_tensor
 __all__ = [
     "path_text",
     "refuse_mutation",
+    "restore_rng_states",
     "rng_states",
     "same_rng_states",
     "tensor_leaves",
@@ -153,6 +154,13 @@ def rng_states() -> tuple[torch.Tensor, ...]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return (cpu, *torch.cuda.get_rng_state_all())
     return (cpu,)
+
+
+def restore_rng_states(states: tuple[torch.Tensor, ...]) -> None:
+    """Set the global RNG states back to ``states`` (from ``rng_states``)."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
 
 
 def same_rng_states(before: tuple[torch.Tensor, ...], after: tuple[torch.Tensor, ...]) -> bool:
