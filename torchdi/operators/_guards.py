@@ -75,12 +75,13 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
     # The values under torch.func's wrappers (what _same_values compares): copied without a trip
     # through every transform level (a PINN's inner operator under grad: ~0.5 ms less per call).
     plains = [unwrapped(t) for _, _, t, _ in watched]
-    saved = [(t if plain is None else plain).detach().clone() for (_, _, t, _), plain in zip(watched, plains)]
+    with torch.no_grad():
+        saved = [(t if plain is None else plain).clone() for (_, _, t, _), plain in zip(watched, plains)]
     yield
     written = [
         (entry, plain, before)
         for entry, version, plain, before in zip(watched, versions, plains, saved)
-        if entry[2]._version != version or not _same_values(entry[2], before)
+        if entry[2]._version != version or not _same_values(entry[2], plain, before)
     ]
     if not written:
         return
@@ -107,13 +108,14 @@ def _path_in(where: Any, t: torch.Tensor) -> str:
     return next((path_text(path) for path, leaf in tensor_leaves(where) if leaf is t), "")
 
 
-def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+def _same_values(now: torch.Tensor, plain: torch.Tensor | None, before: torch.Tensor) -> bool:
+    """Whether ``now`` still holds the values ``before`` (a copy of ``plain``, its tensor under
+    ``torch.func``'s wrappers, taken before ``f`` ran)."""
     if now.is_meta:  # no values to compare: the version counter alone decides
         return True
-    now_plain, before_plain = unwrapped(now), unwrapped(before)
-    if now_plain is None or before_plain is None:  # a torch that cannot unwrap (fence): the version counter decides
+    if plain is None:  # a torch that cannot unwrap (fence): the version counter decides
         return True
-    now, before = now_plain, before_plain
+    now = plain
     if torch.equal(now, before):
         return True
     if now.is_floating_point() or now.is_complex():  # NaN == NaN for this purpose
