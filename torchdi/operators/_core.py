@@ -506,8 +506,11 @@ def _run_learned(
     batched = None if tangents is None else _batch_tangents(tangents, detach=False)
     rng_before = rng_states()
     failed = False
-    # The checks preparation puts around its evaluation of f, around the runner's evaluations.
-    with refuse_mutation(x, values, kinds, operator), refuse_data_parallel(operator):
+    # The checks preparation puts around its evaluation of f, around the runner's evaluations. The
+    # data-parallel refusal hooks every module call (its global hook takes modules off their fast
+    # path: ~5% of a PINN's inner HVP): needed only where a DDP or FSDP2 module can run at all,
+    # which takes an initialized process group (the first call's preparation checked f anyway).
+    with refuse_mutation(x, values, kinds, operator), _unless(not _distributed_initialized(), refuse_data_parallel, operator):
         try:
             result = runner(x_run, batched, values)
         except Exception:  # a changed output (StaleOutput), an error of f: prepared again, see above
@@ -517,6 +520,10 @@ def _run_learned(
     _one_shot.forget(f, key)
     restore_rng_states(rng_before)  # the ordinary path draws what this attempt drew
     return key, None
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _detached(leaf: Any) -> Any:

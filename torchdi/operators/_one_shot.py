@@ -15,7 +15,8 @@ Nothing is checked less on such a call (``_core._run_learned``):
   (``checking``): a function whose output changed (a global, a closed-over shape) is never run
   with a stale layout; it is prepared again from scratch.
 - the input-mutation check wraps the runner's evaluations of ``f`` (``refuse_mutation``), and so
-  does the refusal of data-parallel modules.
+  does the refusal of data-parallel modules whenever one can run (an initialized process group:
+  DDP and FSDP2 modules cannot be built without one).
 - any failure inside the runner (the changed output, an error of ``f``) is not reported from
   there: the RNG is restored and the call takes the ordinary path (preparation, then the call),
   so errors and messages are the ones a call without the learned layout gives.
