@@ -429,6 +429,15 @@ def test_one_shot_call_under_a_transform_draws_what_a_fresh_one_draws():
         torch.testing.assert_close(got, results[0], rtol=0, atol=0)
 
 
+def test_autofunc_adds_no_view_for_a_0d_output():
+    """A reshape of a 0-d output would add a view to the graph of every transform level."""
+    from torchdi.engines import func
+
+    y = torch.ones((), dtype=DT)
+    assert func._scalar(y) is y and func._shaped(y, torch.Size([])) is y
+    assert func._scalar(torch.ones(1, 1)).shape == () and func._shaped(y, (1,)).shape == (1,)
+
+
 def test_what_one_shot_calls_learned_dies_with_f():
     import gc
     import weakref
