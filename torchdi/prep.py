@@ -179,6 +179,7 @@ class Prep:
         "f_needs_grad",
         "has_aux",
         "keep_static",
+        "learned",
         "operator",
         "output_shape",
         "point",
@@ -232,6 +233,9 @@ class Prep:
         self.has_aux = False
         # A same-point preparation's point (prepare_*_same_point): checked on every call.
         self.point: Any = None
+        # What a preparation under a torch.func transform learned about f's output, which later
+        # one-shot calls there reuse (torchdi.operators._one_shot), or None. Set by prepare_operator.
+        self.learned: Any = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).

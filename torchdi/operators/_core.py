@@ -23,7 +23,7 @@ from torchdi.engines._dynamo import set_grad_enabled
 from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
-from torchdi.operators import _transparent
+from torchdi.operators import _one_shot, _transparent
 from torchdi.operators._aux import AuxRunner, native_aux, split_aux, without_aux
 from torchdi.operators._checks import (
     canonical_x,
@@ -37,6 +37,7 @@ from torchdi.operators._checks import (
 )
 from torchdi.operators._guards import (
     refuse_mutation,
+    restore_rng_states,
     rng_states,
     same_rng_states,
     translation_note,
@@ -201,6 +202,18 @@ def _prepare_operator(
         del aux
         bound = without_aux(bound, operator)
     check_output(y, row, operator)
+    # A one-shot call under a torch.func transform (a PINN's inner hvp) is prepared at every step:
+    # what this evaluation teaches is kept for the next ones (see _one_shot).
+    learning = (
+        not compiling
+        and _transparent.under_functorch_or_dynamo()
+        and _one_shot.eligible(backend)
+        and not has_aux
+        and "State" not in kinds
+        and runner_factory is None
+        and seen_by_f is None
+    )
+    y_learned = TreeMeta.of(y) if learning else None
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
     # (context tensors are not counted: every call looks at its own contexts)
@@ -282,6 +295,8 @@ def _prepare_operator(
     )
     prep.has_aux = has_aux
     prep.f_needs_grad = f_needs_grad
+    if y_learned is not None and spec.x.numel and spec.y.numel:
+        prep.learned = _one_shot.Learned(spec, flattening, y_learned)
     if draws_random:
         prep.recompute_refusal = "f draws random numbers, which an eager recomputation in backward would draw anew"
     elif "State" in kinds:
@@ -292,15 +307,14 @@ def _prepare_operator(
         # Runners for calls under outer transforms, built on the first such call: under torch.func
         # transforms and dynamo, torch.autograd.grad cannot run (the same derivative from
         # torch.func instead); the plain gradient skips its value (torch.func.grad, not grad_and_value).
-        safe_backend = _transparent.functorch_safe(backend)
         plain_spec = replace(spec, needs_value=False) if row.drops_value else spec
 
         def rebuild(variant: str, lean: bool) -> Runner:
             # Under dynamo and torch.func (functorch_safe), context tensors enter forward mode as
             # explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp.
             chosen = plain_spec if lean else spec
-            if variant == _transparent.FUNCTORCH_SAFE:
-                rebuilt = build_runner(safe_backend, family, bound, replace(chosen, inside_forward_mode=True))
+            if variant in (_transparent.FUNCTORCH_SAFE, _transparent.AS_IS):
+                rebuilt = _runner_under_transform(backend, family, bound, chosen, variant)
             elif variant == _transparent.AUTOGRAD:
                 native = _transparent.autograd_native(backend, family, has_aux)
                 rebuilt = build_runner(native if native is not None else backend, family, bound, chosen)
@@ -310,7 +324,7 @@ def _prepare_operator(
                 if seen_by_f is not None:  # f sees the contexts as in the compiled program (numpy as tensors...)
                     rebuilt = _seeing_contexts(rebuilt, seen_by_f)
             else:
-                rebuilt = build_runner(backend, family, bound, chosen)
+                raise ValueError(f"unknown runner variant {variant!r}")
             # The same wrapping as the prepared runner: pytree nesting and aux.
             if flattening is not None:
                 rebuilt = flattening.runner(rebuilt)
@@ -320,6 +334,15 @@ def _prepare_operator(
 
         prep.rebuild = rebuild
     return prep
+
+
+def _runner_under_transform(backend: Backend, family: str, bound: BoundFunction, spec: Spec, variant: str) -> Runner:
+    """The runner of a call under an outer transform for the variant ``AS_IS`` (the backend's own)
+    or ``FUNCTORCH_SAFE`` (torch.func instead of torch.autograd.grad; context tensors enter forward
+    mode as explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp)."""
+    if variant == _transparent.FUNCTORCH_SAFE:
+        return build_runner(_transparent.functorch_safe(backend), family, bound, replace(spec, inside_forward_mode=True))
+    return build_runner(backend, family, bound, spec)
 
 
 def _seeing_contexts(runner: Runner, seen_by_f: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Runner:
@@ -396,10 +419,17 @@ def run_operator(
         with torch.inference_mode(False):  # see prepare_operator
             return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached, has_aux)
     if prep is None:
+        key = None
         if _transparent.under_functorch_or_dynamo():  # refused at once, before anything compiles
             _transparent.refuse_under_outer_transform(backend, family, operator)
+            if not has_aux and _one_shot.eligible(backend):  # (dynamo took the branch above)
+                key, result = _run_learned(family, operator, f, backend, x, tangents, contexts, value)
+                if result is not None:
+                    return result
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
+        if key is not None and prep.learned is not None:
+            _one_shot.remember(f, key, prep.learned)
     else:
         if not isinstance(prep, Prep):
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
@@ -445,6 +475,55 @@ def run_operator(
     if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
         result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+def _run_learned(
+    family: str, operator: str, f: Callable[..., Any], backend: Backend, x: Any, tangents: tuple[Any, ...] | None, contexts: Sequence[Any], value: bool
+) -> tuple[Any, tuple[Any, ...] | None]:
+    """A one-shot call under a ``torch.func`` transform from what an earlier one learned about
+    ``f`` (``_one_shot``): ``(key, result)``; ``result`` is ``None`` when nothing was learned for
+    this key (or ``key`` too when the arguments have none: nothing to learn), or when the runner
+    failed. The call then takes the ordinary path, which prepares again (and reports errors as
+    it always does)."""
+    values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+    kinds = context_kinds(contexts)
+    if "State" in kinds:
+        return None, None
+    x = without_inference_tensors(x)
+    values = without_inference_tensors(values)
+    key = (family, backend, mask, _received(x, tangents, values, kinds, False))
+    learned = _one_shot.learned(f, key)
+    if learned is None:
+        return key, None
+    x_run = canonical_x(x, family, operator, detach=False)
+    bound = _one_shot.checking(bind_contexts(f, mask), learned.y)
+    if learned.flattening is not None:
+        bound = learned.flattening.function(bound)
+    spec = replace(learned.spec, needs_value=False) if not value and FAMILIES[family].drops_value else learned.spec
+    runner = _runner_under_transform(backend, family, bound, spec, _transparent.variant(backend, family, False))
+    if learned.flattening is not None:
+        runner = learned.flattening.runner(runner)
+    batched = None if tangents is None else _batch_tangents(tangents, detach=False)
+    rng_before = rng_states()
+    failed = False
+    # The checks preparation puts around its evaluation of f, around the runner's evaluations. The
+    # data-parallel refusal hooks every module call (its global hook takes modules off their fast
+    # path: ~5% of a PINN's inner HVP): needed only where a DDP or FSDP2 module can run at all,
+    # which takes an initialized process group (the first call's preparation checked f anyway).
+    with refuse_mutation(x, values, kinds, operator), _unless(not _distributed_initialized(), refuse_data_parallel, operator):
+        try:
+            result = runner(x_run, batched, values)
+        except Exception:  # a changed output (StaleOutput), an error of f: prepared again, see above
+            failed = True
+    if not failed:
+        return key, result
+    _one_shot.forget(f, key)
+    restore_rng_states(rng_before)  # the ordinary path draws what this attempt drew
+    return key, None
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _detached(leaf: Any) -> Any:
