@@ -366,3 +366,34 @@ def test_compiled_persistence_across_processes(tmp_path):
     expected = torch.func.grad(lambda x: torch.diff(x**2 * 3.0).sum())(torch.linspace(0.5, 1.5, 6))
     assert torch.allclose(torch.tensor(second["changed_value"]), expected)
     assert second["changed_compilations"] == 2
+
+
+PRECOMPILE_C = 2.0
+
+
+def _precompile_helper(x):
+    return x**2 * PRECOMPILE_C
+
+
+def _precompile_f(x):
+    return _precompile_helper(x).sum()
+
+
+def test_dynamo_caching_precompile_is_kept_off(monkeypatch):
+    """A user's TORCH_CACHING_PRECOMPILE=1 (dynamo's caching precompile) drops dynamo's function and
+    closure guards from every compilation: torchdi's compilations run without it, so a helper
+    function rebound after preparation recompiles (rule 7) instead of returning the old value."""
+    config = torch._dynamo.config
+    if not hasattr(config, "caching_precompile"):
+        pytest.skip("this torch has no caching precompile")
+    monkeypatch.setattr(config, "caching_precompile", True)
+    backend = torchdi.AutoCompile(compiler="aot_eager")
+    x = torch.linspace(0.5, 1.5, 6)
+    prep = torchdi.prepare_gradient(_precompile_f, backend, x)
+    assert torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)[0].item() == pytest.approx((x**2 * 2).sum().item())
+    monkeypatch.setitem(globals(), "_precompile_helper", lambda x: x**3 * PRECOMPILE_C)
+    value, grad = torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)
+    assert value.item() == pytest.approx((x**3 * 2).sum().item())  # the old program gave (x**2 * 2).sum()
+    assert torch.allclose(grad, 6 * x**2)
+    assert prep.num_compilations == 2
+    assert config.caching_precompile is True  # the user's setting is left as it was
