@@ -356,7 +356,8 @@ def test_sparse_persistence_across_processes(tmp_path):
 @pytest.mark.inductor
 def test_compiled_persistence_across_processes(tmp_path):
     """The second process loads the first one's artifacts (its compilation hits torch's caches),
-    returns the same values, and a changed global still recompiles (dynamo's guards)."""
+    returns the same values, and a changed global still recompiles (dynamo's guards); a third
+    process whose global differs from the start does not load them."""
     cache = str(tmp_path / "cache")
     first = _run(tmp_path, "compile", "2.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor1")})
     second = _run(tmp_path, "compile", "2.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor2")})
@@ -366,6 +367,12 @@ def test_compiled_persistence_across_processes(tmp_path):
     expected = torch.func.grad(lambda x: torch.diff(x**2 * 3.0).sum())(torch.linspace(0.5, 1.5, 6))
     assert torch.allclose(torch.tensor(second["changed_value"]), expected)
     assert second["changed_compilations"] == 2
+    # A global that changed before the load (C=4 from the start): another program, never the
+    # persisted one's value.
+    third = _run(tmp_path, "compile", "4.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor2")})
+    assert third["loaded"] is False and third["compilations"] == 1
+    expected = torch.func.grad(lambda x: torch.diff(x**2 * 4.0).sum())(torch.linspace(0.5, 1.5, 6))
+    assert torch.allclose(torch.tensor(third["value"]), expected)
 
 
 PRECOMPILE_C = 2.0
