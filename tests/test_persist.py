@@ -393,14 +393,17 @@ def test_dynamo_caching_precompile_is_kept_off(monkeypatch):
     config = torch._dynamo.config
     if not hasattr(config, "caching_precompile"):
         pytest.skip("this torch has no caching precompile")
-    monkeypatch.setattr(config, "caching_precompile", True)
-    backend = torchdi.AutoCompile(compiler="aot_eager")
-    x = torch.linspace(0.5, 1.5, 6)
-    prep = torchdi.prepare_gradient(_precompile_f, backend, x)
-    assert torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)[0].item() == pytest.approx((x**2 * 2).sum().item())
-    monkeypatch.setitem(globals(), "_precompile_helper", lambda x: x**3 * PRECOMPILE_C)
-    value, grad = torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)
-    assert value.item() == pytest.approx((x**3 * 2).sum().item())  # the old program gave (x**2 * 2).sum()
-    assert torch.allclose(grad, 6 * x**2)
-    assert prep.num_compilations == 2
-    assert config.caching_precompile is True  # the user's setting is left as it was
+    before = config.caching_precompile
+    # config.patch, not monkeypatch.setattr: monkeypatch's undo deletes a ConfigModule entry.
+    with config.patch(caching_precompile=True):
+        backend = torchdi.AutoCompile(compiler="aot_eager")
+        x = torch.linspace(0.5, 1.5, 6)
+        prep = torchdi.prepare_gradient(_precompile_f, backend, x)
+        assert torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)[0].item() == pytest.approx((x**2 * 2).sum().item())
+        monkeypatch.setitem(globals(), "_precompile_helper", lambda x: x**3 * PRECOMPILE_C)
+        value, grad = torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)
+        assert value.item() == pytest.approx((x**3 * 2).sum().item())  # the old program gave (x**2 * 2).sum()
+        assert torch.allclose(grad, 6 * x**2)
+        assert prep.num_compilations == 2
+        assert config.caching_precompile is True  # the user's setting is left as it was
+    assert config.caching_precompile is before

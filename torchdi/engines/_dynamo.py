@@ -137,6 +137,7 @@ __all__ = [
     "legacy_rebatch",
     "legacy_unbatch",
     "outside_legacy_vmap",
+    "patched_config",
     "release_code",
     "set_grad_enabled",
     "sound_settings",
