@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.composition import evaluates_f_plainly
-from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.contexts import Cache, Constant, State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
 from torchdi.errors import UnsupportedOperatorError, user_stacklevel
@@ -403,9 +403,13 @@ def run_operator(
     else:
         if not isinstance(prep, Prep):
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
-        values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        unwrapped = _unwrapped_described(x, tangents, contexts, prep.keep_static) if prep.strict else None
+        if unwrapped is None:
+            values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        else:
+            values = unwrapped[0]
         if prep.strict:
-            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static)
+            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if unwrapped is None else unwrapped[1]
             if not prep.serves(family, f, backend, received):  # the names only matter for the message
                 prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
@@ -414,10 +418,15 @@ def run_operator(
             _refuse_aux_mismatch(prep, has_aux, operator)
         if prep.point is not None:  # a same-point preparation: never a stale result, whatever strict says
             prep.point.check(x, values)
-    x = without_inference_tensors(x)
-    values = without_inference_tensors(values)
+    # One look at the leaves for the common case (tensors that neither require grad nor were made
+    # under inference_mode): then there is nothing to copy, and outer autograd sees no context.
+    plain_x, plain_values = _plain(x), _plain(values)
+    if not plain_x:
+        x = without_inference_tensors(x)
+    if not plain_values:
+        values = without_inference_tensors(values)
     attach = None
-    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached, tangents):
+    if _transparent.outer_transform_active(() if plain_x else x, () if plain_values else values, prep.reads_tracked, detached, tangents):
         if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
             return _run_transparent(family, operator, prep, x, tangents, values, value)
         # torch.autograd alone, on a backend that does not compose: the plain results, whose backward
@@ -428,7 +437,7 @@ def run_operator(
             attach = _through_eager(prep, family, operator, x, tangents, values)
         if attach is None:
             attach = _transparent.backward_refusal(prep.backend, family, operator, (x, tangents), values, prep.recompute_refusal)
-    if prep.keep_static and _transparent.tracked(values):
+    if prep.keep_static and not plain_values and _transparent.tracked(values):
         # A compiled program is prepared for plain contexts (see _built): one that requires grad
         # would fail its guards and recompile.
         values = _detached_values(values)
@@ -445,6 +454,48 @@ def run_operator(
     if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
         result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+_CONTEXT_KINDS = {Constant: "Constant", Cache: "Cache", State: "State"}
+
+
+def _unwrapped_described(x: Any, tangents: Any, contexts: Sequence[Any], keep_static: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """The context values and the strict check's description of the call (``_received``), in one
+    pass over the contexts; ``None`` when a context is not exactly a ``Constant``, ``Cache`` or
+    ``State`` (``unwrap_contexts`` then names it or unwraps a subclass)."""
+    values = []
+    received = [describe(x, keep_static)] if tangents is None else [describe(x, keep_static), describe(tangents)]
+    for context in contexts:
+        kind = _CONTEXT_KINDS.get(type(context))
+        if kind is None:
+            return None
+        value = context.value
+        values.append(value)
+        received.append((kind, describe(value, keep_static)))
+    return tuple(values), tuple(received)
+
+
+def _plain(tree: Any) -> bool:
+    """Whether ``tree`` is a tensor, a scalar, or a tuple/list/dict of them, with no tensor that
+    requires grad or was made under ``inference_mode`` (``False``: look closer, with
+    ``without_inference_tensors`` and ``_transparent.tracked``)."""
+    kind = type(tree)
+    if kind is torch.Tensor:
+        return not (tree.requires_grad or tree.is_inference())
+    if kind is tuple or kind is list:
+        for item in tree:  # (a loop, not all(...): no generator frame on every call)
+            if not _plain(item):
+                return False
+        return True
+    if kind is dict:
+        for item in tree.values():
+            if not _plain(item):
+                return False
+        return True
+    return kind in _SCALARS
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def _detached(leaf: Any) -> Any:
