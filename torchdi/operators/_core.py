@@ -483,12 +483,12 @@ def _plain(tree: Any) -> bool:
     if kind is torch.Tensor:
         return not (tree.requires_grad or tree.is_inference())
     if kind is tuple or kind is list:
-        for item in tree:  # (a loop, not all(...): no generator frame on every call)
+        for item in tree:  # noqa: SIM110  (a loop, not all(...): no generator frame on every call)
             if not _plain(item):
                 return False
         return True
     if kind is dict:
-        for item in tree.values():
+        for item in tree.values():  # noqa: SIM110
             if not _plain(item):
                 return False
         return True
