@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import tensor_version
 from torchdi.operators._transparent import unwrapped
 from torchdi.translate import to_device_tensor
 
@@ -62,13 +63,13 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
     # The model's own buffers are usually the very tensors passed as a State: those may change.
     state_ids = {id(leaf) for value, kind in zip(values, kinds) if kind == "State" for leaf in pytree.tree_leaves(value)}
     watched = [entry for entry in watched if id(entry[2]) not in state_ids]
-    versions = [t._version for _, _, t, _ in watched]
+    versions = [tensor_version(t) for _, _, t, _ in watched]
     saved = [t.detach().clone() for _, _, t, _ in watched]
     yield
     written = [
         (entry, before)
         for entry, version, before in zip(watched, versions, saved)
-        if entry[2]._version != version or not _same_values(entry[2], before)
+        if tensor_version(entry[2]) != version or not same_values(entry[2], before)
     ]
     if not written:
         return
@@ -87,7 +88,9 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
     )
 
 
-def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+def same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``now`` holds the values ``before`` holds (NaN equal to NaN); ``True`` where they
+    cannot be compared (meta tensors, a wrapper this torch cannot unwrap)."""
     if now.is_meta:  # no values to compare: the version counter alone decides
         return True
     now_plain, before_plain = unwrapped(now), unwrapped(before)
