@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.runners import Publishes, checked_entry, num_compilations, runner_path
+from torchdi.runners import Publishes, checked_entry, implements, num_compilations, runner_path
 from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
@@ -239,7 +239,7 @@ class Prep:
             runner = object.__getattribute__(self, "runner")
         except AttributeError:  # during unpickling or before __init__
             runner = None
-        published = runner.published if isinstance(runner, Publishes) else {}
+        published = runner.published if implements(runner, Publishes) else {}
         if name in published:
             return published[name]
         raise AttributeError(f"'Prep' object has no attribute {name!r}")

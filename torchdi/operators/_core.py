@@ -54,6 +54,7 @@ from torchdi.runners import (
     TreeMeta,
     build_runner,
     engine_for,
+    implements,
     warm_up,
     zero_runner,
 )
@@ -156,7 +157,7 @@ def _prepare_operator(
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
-    seen_by_f = engine.contexts_seen_by_f if isinstance(engine, TranslatesContexts) else None
+    seen_by_f = engine.contexts_seen_by_f if implements(engine, TranslatesContexts) else None
     # The first evaluation also tells whether f's output uses x at all (x_unused): x's leaves
     # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
     # evaluated again as before, under no_grad, and reports its own error.
@@ -257,7 +258,7 @@ def _prepare_operator(
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
-    if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
+    if (spec.x.numel == 0 or spec.y.numel == 0) and not (implements(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
