@@ -161,10 +161,9 @@ class Prep:
         backend: the backend it was prepared for.
         strict: whether each call checks the arguments' signatures.
         num_compilations: how many graphs a compiler compiled for this preparation (0 for
-            eager backends). It does not grow over calls that satisfy the rules, except once
-            when the plain ``gradient`` of a compiled preparation is first called (its variant
-            without the value is compiled on first use), and when one of the compiler's own
-            guards fails (a global, a closure cell, the grad mode ... changed), exactly where
+            eager backends). It does not grow over calls that satisfy the rules (one program
+            serves the operator and its ``value_`` variant), except when one of the compiler's
+            own guards fails (a global, a closure cell, the grad mode ... changed), exactly where
             raw ``torch.compile`` would recompile.
         output_shape: shape of ``f(x, ...)`` at preparation (``None`` for pytree outputs).
     """

@@ -250,11 +250,14 @@ def _prepare_operator(
     batched = None if tangents is None else _batch_tangents(tangents)
     # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
     # value_ variant; nothing compiles on a later call. The alternative, a second program without
-    # the value for the plain operator (it lets the compiler drop f's final reduction), would cost
-    # a second compilation at every prepare_gradient, paid even by loops that only call
-    # value_and_gradient. Measured (benchmarks/compile_overhead.py, one thread, prepared gradient
-    # / raw torch.compile(grad(f))): Rosenbrock 1e6 0.78 -> 0.93 (it pays the final reduction),
-    # the two MLPs within noise; still at or below raw on all three.
+    # the value for the plain operator compiled here too (it lets the compiler drop f's final
+    # reduction), costs every prepare_gradient a second compilation, paid even by loops that only
+    # call value_and_gradient. Measured (issue 27, one thread, inductor, cold cache): the second
+    # program takes 4.2 / 4.8 / 4.8 s after the first's 6.7 / 5.9 / 7.9 s (Rosenbrock 1e6, small
+    # MLP, MLP wrt a dict of parameters): +60-80% per cold preparation. What it would save: the
+    # value's reduction, 1.11x on the bandwidth-bound Rosenbrock (prepared gradient / raw
+    # torch.compile(grad(f)), equal to raw grad_and_value / raw grad), nothing measurable on the
+    # MLPs (benchmarks/compile_overhead.py --timer cpu: 0.90x and 1.00x).
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
