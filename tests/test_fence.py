@@ -514,6 +514,13 @@ def test_mutation_checks_without_the_version_counter(without_tensor_internal, ca
         c.add_(1.0)
         with pytest.raises(td.PreparationMismatchError, match=r"context 1 was modified in place since preparation \(its values changed\)"):
             td.pullback(product, td.AutoFunc(), x, ty, td.Constant(c), prep=prep)
+        # DifferentiateWith's check of f's evaluation too
+        def writes_through(z, k):
+            k.add_(1.0)
+            return z * k
+
+        with pytest.raises(ValueError, match=r"context 1 \(Constant\)"):
+            td.DifferentiateWith(writes_through, td.AutoAutograd())(x, td.Constant(c.clone()))
     assert len(_warnings_naming(caplog, "version_counter")) == 1
 
 
