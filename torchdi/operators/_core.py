@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.composition import evaluates_f_plainly
-from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.contexts import Cache, Constant, State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
 from torchdi.errors import UnsupportedOperatorError, user_stacklevel
@@ -55,6 +55,7 @@ from torchdi.runners import (
     TreeMeta,
     build_runner,
     engine_for,
+    implements,
     warm_up,
     zero_runner,
 )
@@ -157,7 +158,7 @@ def _prepare_operator(
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
-    seen_by_f = engine.contexts_seen_by_f if isinstance(engine, TranslatesContexts) else None
+    seen_by_f = engine.contexts_seen_by_f if implements(engine, TranslatesContexts) else None
     # The first evaluation also tells whether f's output uses x at all (x_unused): x's leaves
     # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
     # evaluated again as before, under no_grad, and reports its own error.
@@ -262,15 +263,18 @@ def _prepare_operator(
     batched = None if tangents is None else _batch_tangents(tangents)
     # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
     # value_ variant; nothing compiles on a later call. The alternative, a second program without
-    # the value for the plain operator (it lets the compiler drop f's final reduction), would cost
-    # a second compilation at every prepare_gradient, paid even by loops that only call
-    # value_and_gradient. Measured (benchmarks/compile_overhead.py, one thread, prepared gradient
-    # / raw torch.compile(grad(f))): Rosenbrock 1e6 0.78 -> 0.93 (it pays the final reduction),
-    # the two MLPs within noise; still at or below raw on all three.
+    # the value for the plain operator compiled here too (it lets the compiler drop f's final
+    # reduction), costs every prepare_gradient a second compilation, paid even by loops that only
+    # call value_and_gradient. Measured (issue 27, one thread, inductor, cold cache): the second
+    # program takes 4.2 / 4.8 / 4.8 s after the first's 6.7 / 5.9 / 7.9 s (Rosenbrock 1e6, small
+    # MLP, MLP wrt a dict of parameters): +60-80% per cold preparation. What it would save: the
+    # value's reduction, 1.11x on the bandwidth-bound Rosenbrock (prepared gradient / raw
+    # torch.compile(grad(f)), equal to raw grad_and_value / raw grad), nothing measurable on the
+    # MLPs (benchmarks/compile_overhead.py --timer cpu: 0.90x and 1.00x).
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
-    if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
+    if (spec.x.numel == 0 or spec.y.numel == 0) and not (implements(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
@@ -433,9 +437,13 @@ def run_operator(
     else:
         if not isinstance(prep, Prep):
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
-        values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        unwrapped = _unwrapped_described(x, tangents, contexts, prep.keep_static) if prep.strict else None
+        if unwrapped is None:
+            values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        else:
+            values = unwrapped[0]
         if prep.strict:
-            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static)
+            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if unwrapped is None else unwrapped[1]
             if not prep.serves(family, f, backend, received):  # the names only matter for the message
                 prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
@@ -444,10 +452,15 @@ def run_operator(
             _refuse_aux_mismatch(prep, has_aux, operator)
         if prep.point is not None:  # a same-point preparation: never a stale result, whatever strict says
             prep.point.check(x, values)
-    x = without_inference_tensors(x)
-    values = without_inference_tensors(values)
+    # One look at the leaves for the common case (tensors that neither require grad nor were made
+    # under inference_mode): then there is nothing to copy, and outer autograd sees no context.
+    plain_x, plain_values = _plain(x), _plain(values)
+    if not plain_x:
+        x = without_inference_tensors(x)
+    if not plain_values:
+        values = without_inference_tensors(values)
     attach = None
-    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached, tangents):
+    if _transparent.outer_transform_active(() if plain_x else x, () if plain_values else values, prep.reads_tracked, detached, tangents):
         if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
             return _run_transparent(family, operator, prep, x, tangents, values, value)
         # torch.autograd alone, on a backend that does not compose: the plain results, whose backward
@@ -458,7 +471,7 @@ def run_operator(
             attach = _through_eager(prep, family, operator, x, tangents, values)
         if attach is None:
             attach = _transparent.backward_refusal(prep.backend, family, operator, (x, tangents), values, prep.recompute_refusal)
-    if prep.keep_static and _transparent.tracked(values):
+    if prep.keep_static and not plain_values and _transparent.tracked(values):
         # A compiled program is prepared for plain contexts (see _built): one that requires grad
         # would fail its guards and recompile.
         values = _detached_values(values)
@@ -524,6 +537,48 @@ def _run_learned(
 
 def _distributed_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+_CONTEXT_KINDS = {Constant: "Constant", Cache: "Cache", State: "State"}
+
+
+def _unwrapped_described(x: Any, tangents: Any, contexts: Sequence[Any], keep_static: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """The context values and the strict check's description of the call (``_received``), in one
+    pass over the contexts; ``None`` when a context is not exactly a ``Constant``, ``Cache`` or
+    ``State`` (``unwrap_contexts`` then names it or unwraps a subclass)."""
+    values = []
+    received = [describe(x, keep_static)] if tangents is None else [describe(x, keep_static), describe(tangents)]
+    for context in contexts:
+        kind = _CONTEXT_KINDS.get(type(context))
+        if kind is None:
+            return None
+        value = context.value
+        values.append(value)
+        received.append((kind, describe(value, keep_static)))
+    return tuple(values), tuple(received)
+
+
+def _plain(tree: Any) -> bool:
+    """Whether ``tree`` is a tensor, a scalar, or a tuple/list/dict of them, with no tensor that
+    requires grad or was made under ``inference_mode`` (``False``: look closer, with
+    ``without_inference_tensors`` and ``_transparent.tracked``)."""
+    kind = type(tree)
+    if kind is torch.Tensor:
+        return not (tree.requires_grad or tree.is_inference())
+    if kind is tuple or kind is list:
+        for item in tree:  # noqa: SIM110  (a loop, not all(...): no generator frame on every call)
+            if not _plain(item):
+                return False
+        return True
+    if kind is dict:
+        for item in tree.values():  # noqa: SIM110
+            if not _plain(item):
+                return False
+        return True
+    return kind in _SCALARS
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def _detached(leaf: Any) -> Any:

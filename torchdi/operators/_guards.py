@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import tensor_version
 from torchdi.operators._transparent import unwrapped
 from torchdi.translate import to_device_tensor
 
@@ -22,6 +23,7 @@ __all__ = [
     "restore_rng_states",
     "rng_states",
     "same_rng_states",
+    "same_values",
     "tensor_leaves",
     "translation_note",
     "without_inference_tensors",
@@ -71,8 +73,8 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
         # The model's own buffers are usually the very tensors passed as a State: those may change.
         state_ids = {id(leaf) for value, kind in zip(values, kinds) if kind == "State" for leaf in pytree.tree_leaves(value)}
         watched = [entry for entry in watched if id(entry[2]) not in state_ids]
-    versions = [t._version for _, _, t, _ in watched]
-    # The values under torch.func's wrappers (what _same_values compares): copied without a trip
+    versions = [tensor_version(t) for _, _, t, _ in watched]
+    # The values under torch.func's wrappers (what _same_plain_values compares): copied without a trip
     # through every transform level (a PINN's inner operator under grad: ~0.5 ms less per call).
     plains = [unwrapped(t) for _, _, t, _ in watched]
     with torch.no_grad():
@@ -81,7 +83,7 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
     written = [
         (entry, plain, before)
         for entry, version, plain, before in zip(watched, versions, plains, saved)
-        if entry[2]._version != version or not _same_values(entry[2], plain, before)
+        if tensor_version(entry[2]) != version or not _same_plain_values(entry[2], plain, before)
     ]
     if not written:
         return
@@ -101,6 +103,15 @@ def refuse_mutation(x: Any, values: tuple[Any, ...], kinds: tuple[str, ...], ope
     )
 
 
+def same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``now`` holds the values ``before`` holds (NaN equal to NaN); ``True`` where they
+    cannot be compared (meta tensors, a wrapper this torch cannot unwrap)."""
+    before_plain = unwrapped(before)
+    if before_plain is None:  # a torch that cannot unwrap (fence): the version counter decides
+        return True
+    return _same_plain_values(now, unwrapped(now), before_plain)
+
+
 def _path_in(where: Any, t: torch.Tensor) -> str:
     """The path of ``t`` in the tree ``where`` (or ``where`` itself when it is the path already)."""
     if isinstance(where, str):
@@ -108,7 +119,7 @@ def _path_in(where: Any, t: torch.Tensor) -> str:
     return next((path_text(path) for path, leaf in tensor_leaves(where) if leaf is t), "")
 
 
-def _same_values(now: torch.Tensor, plain: torch.Tensor | None, before: torch.Tensor) -> bool:
+def _same_plain_values(now: torch.Tensor, plain: torch.Tensor | None, before: torch.Tensor) -> bool:
     """Whether ``now`` still holds the values ``before`` (a copy of ``plain``, its tensor under
     ``torch.func``'s wrappers, taken before ``f`` ran)."""
     if now.is_meta:  # no values to compare: the version counter alone decides
