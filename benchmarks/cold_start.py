@@ -1,6 +1,7 @@
 """Cold start: the first result of a fresh process, with empty caches (cold) and on a re-run (warm).
 
     python benchmarks/cold_start.py [--problems mlp,rosenbrock,brusselator] [--contenders ...] [--markdown FILE]
+    python benchmarks/cold_start.py --phases --problems mlp --contenders torchdi-persist,raw
 
 Each measurement is a fresh Python process (one thread) that imports torch, prepares, and
 computes one result; it reports the seconds from its start (before ``import torch``) to that
@@ -19,6 +20,13 @@ Contenders:
 - ``raw``: ``torch.compile(torch.func.grad_and_value(f))`` (Brusselator: ``torch.compile(jacfwd(f))``,
   dense).
 - ``jax``: ``jax.jit(jax.value_and_grad(f))`` when JAX is importable (it is skipped otherwise).
+
+``--phases``: where a torch contender's time goes. Its processes import dynamo and inductor
+explicitly before preparing (so "prepare + first call" then leaves those imports out: they are
+columns of their own), and report dynamo's own timers (``torch._dynamo.utils.
+compilation_time_metrics``): dynamo's bytecode tracing, the compiler call, inductor's load of a
+cached program (``PyCodeCache.load_by_key_path``, with the C++ build step ``compile_file`` and
+the hash of torch's sources ``inductor_codecache_torch_key`` it needs), building the guards.
 
 Problems: the small MLP ``(W2 @ tanh(W1 @ x)).sum()`` (x of 32), Rosenbrock with n = 1e5
 (gradient), the 2-D Brusselator N=32 (sparse jacobian, 2048 x 2048).
@@ -54,10 +62,32 @@ def applies(contender: str, problem: str) -> bool:
 # One measurement (the child process)
 
 
-def child(contender: str, problem: str, cache_dir: str) -> dict[str, float | bool | None]:
+# dynamo's timers reported by --phases (torch._dynamo.utils.compilation_time_metrics), by column.
+PHASES = {
+    "tracing": "bytecode_tracing",
+    "compiler": "OutputGraph.call_user_compiler",
+    "inductor load": "PyCodeCache.load_by_key_path",
+    "C++ build": "compile_file",
+    "torch hash": "inductor_codecache_torch_key",
+    "guards": "build_guards",
+}
+
+
+def child(contender: str, problem: str, cache_dir: str, phases: bool = False) -> dict[str, float | bool | None]:
     if contender == "jax":
         return child_jax(problem)
     import torch
+
+    imports: dict[str, float] = {}
+    if phases:  # imported before preparing, and timed (otherwise preparation imports them)
+        started = time.perf_counter()
+        import torch._dynamo
+
+        imports["import dynamo"] = time.perf_counter() - started
+        started = time.perf_counter()
+        import torch._inductor.compile_fx
+
+        imports["import inductor"] = time.perf_counter() - started
 
     import torchdi
     from torchdi.testing.sparse_scenarios import brusselator
@@ -99,7 +129,15 @@ def child(contender: str, problem: str, cache_dir: str) -> dict[str, float | boo
         loaded = bool(prep.loaded_from_cache)
     del result
     end = time.perf_counter()
-    return {"total": end - START, "first": end - begin, "loaded": loaded}
+    out: dict[str, float | bool | None] = {"total": end - START, "first": end - begin, "loaded": loaded, **imports}
+    if phases:
+        try:
+            from torch._dynamo.utils import compilation_time_metrics
+        except ImportError:  # a torch that moved its timers: no phase columns
+            compilation_time_metrics = {}
+        for column, key in PHASES.items():
+            out[column] = sum(compilation_time_metrics.get(key, ()))
+    return out
 
 
 def child_jax(problem: str) -> dict[str, float | bool | None]:
@@ -130,7 +168,7 @@ def child_jax(problem: str) -> dict[str, float | bool | None]:
 # The driver
 
 
-def measure(contender: str, problem: str, directory: Path) -> dict[str, float | bool | None]:
+def measure(contender: str, problem: str, directory: Path, phases: bool = False) -> dict[str, float | bool | None]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -141,7 +179,7 @@ def measure(contender: str, problem: str, directory: Path) -> dict[str, float | 
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
-        [sys.executable, __file__, "--child", contender, problem, str(directory / "torchdi")],
+        [sys.executable, __file__, "--child", contender, problem, str(directory / "torchdi"), *(["--phases"] if phases else [])],
         env=env, capture_output=True, text=True, timeout=900,
     )
     if done.returncode != 0:
@@ -162,15 +200,31 @@ def table(rows: list[tuple[str, str, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[tuple[str, str, dict, dict]]) -> str:
+    columns = ["import dynamo", "import inductor", "first", *PHASES]
+    lines = [
+        "| problem | contender | run | " + " | ".join("prepare + first call" if c == "first" else c for c in columns) + " |",
+        "|---|---|---|" + "---:|" * len(columns),
+    ]
+    for problem, contender, cold, warm in rows:
+        for run, measured in (("cold", cold), ("warm", warm)):
+            if "import dynamo" not in measured:
+                continue  # JAX
+            cells = " | ".join(f"{measured.get(c, 0.0):.2f}" for c in columns)
+            lines.append(f"| {problem} | {contender} | {run} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--markdown", metavar="FILE")
+    parser.add_argument("--phases", action="store_true", help="also time the imports and dynamo's phases (seconds)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child)))
+        print(json.dumps(child(*args.child, phases=args.phases)))
         return 0
     contenders = [c for c in args.contenders.split(",") if c]
     if "jax" in contenders and importlib.util.find_spec("jax") is None:
@@ -182,12 +236,14 @@ def main(argv: list[str] | None = None) -> int:
             if not applies(contender, problem):
                 continue
             with tempfile.TemporaryDirectory(prefix=f"cold-{contender}-") as tmp:
-                cold = measure(contender, problem, Path(tmp))
-                warm = measure(contender, problem, Path(tmp))
+                cold = measure(contender, problem, Path(tmp), args.phases)
+                warm = measure(contender, problem, Path(tmp), args.phases)
             print(f"{problem:12s} {contender:22s} cold {cold['first']:6.1f} s ({cold['total']:6.1f} s)  "
                   f"warm {warm['first']:6.2f} s ({warm['total']:6.1f} s)  loaded {warm['loaded']}", file=sys.stderr, flush=True)
             rows.append((problem, contender, cold, warm))
     text = table(rows)
+    if args.phases:
+        text += "\n\nSeconds by phase (dynamo's timers; imports of dynamo and inductor made before preparing):\n\n" + phase_table(rows)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(

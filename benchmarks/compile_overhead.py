@@ -5,13 +5,15 @@ turn, in every order in turn, after one untimed call), medians over repeats:
 
 - ``torchdi``: ``torchdi.gradient(f, AutoCompile(), x, *contexts, prep=prep)``
 - ``raw``: ``torch.compile(torch.func.grad(f), fullgraph=True)`` called directly
+- ``torchdi vag``: ``torchdi.value_and_gradient`` with the same ``prep`` (one program serves both)
+- ``raw gv``: ``torch.compile(torch.func.grad_and_value(f), fullgraph=True)`` called directly
 - ``autograd``: eager ``torch.autograd.grad``
 - ``jax``: ``jax.jit(jax.grad(f))`` (only when jax is importable)
 
 Scenarios: (a) Rosenbrock with 1e6 float32 entries, (b) a small MLP loss (32 -> 64 -> 1) with
 respect to its input, (c) an MLP loss with respect to a dict of parameters.
 
-Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor] [--threads 1]`` or
+Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor] [--threads 1] [--scenarios abc]`` or
 ``python -m torchdi bench --suite compile-overhead``.
 """
 
@@ -106,8 +108,10 @@ def _calls_per_block(fn: Callable[[], Any], target_seconds: float = 0.02) -> int
     return max(1, min(2000, int(target_seconds / elapsed)))
 
 
-def measure(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each contender, timed in interleaved blocks."""
+def measure(contenders: dict[str, Callable[[], Any]], repeats: int, timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds per call of each contender, timed in interleaved blocks (``timer``: wall
+    clock by default; ``time.thread_time`` counts only this thread's CPU time, which is all the work
+    with one torch thread, and not the time other processes take the core away)."""
     for fn in contenders.values():  # warm-up
         for _ in range(3):
             fn()
@@ -121,31 +125,42 @@ def measure(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             fn = contenders[name]
             n = blocks[name]
             fn()
-            start = time.perf_counter()
+            start = timer()
             for _ in range(n):
                 fn()
-            samples[name].append((time.perf_counter() - start) / n)
+            samples[name].append((timer() - start) / n)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run(repeats: int = 15, compiler: str = "inductor", progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Measure every case; returns one row per case with per-call times and ratios."""
+def run(
+    repeats: int = 15,
+    compiler: str = "inductor",
+    progress: Callable[[str], None] | None = None,
+    scenarios: str = "abc",
+    timer: Callable[[], float] = time.perf_counter,
+) -> list[dict[str, Any]]:
+    """Measure every case (those whose letter is in ``scenarios``); returns one row per case with
+    per-call times and ratios."""
     backend = td.AutoCompile(compiler=compiler)
     rows = []
     for case in cases():
+        if case.name[-2] not in scenarios:
+            continue
         if progress:
             progress(f"compile_overhead: {case.name}: preparing")
         wrapped = tuple(td.Constant(c) for c in case.contexts)
         prep = td.prepare_gradient(case.f, backend, case.x, *wrapped)
         raw = torch.compile(torch.func.grad(case.f), backend=compiler, fullgraph=True)
+        raw_gv = torch.compile(torch.func.grad_and_value(case.f), backend=compiler, fullgraph=True)
         reference = td.gradient(case.f, td.AutoAutograd(), case.x, *wrapped)
         ours = td.gradient(case.f, backend, case.x, *wrapped, prep=prep)
         theirs = raw(case.x, *case.contexts)
+        our_value, ours_too = td.value_and_gradient(case.f, backend, case.x, *wrapped, prep=prep)
+        their_gradient, their_value = raw_gv(case.x, *case.contexts)
+        leaves = torch.utils._pytree.tree_leaves
         correct = all(
-            torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-            for a, b, c in zip(
-                torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(reference), torch.utils._pytree.tree_leaves(theirs)
-            )
+            torch.allclose(a, b, rtol=1e-4, atol=1e-4) and torch.allclose(c, b, rtol=1e-4, atol=1e-4)
+            for a, b, c in zip(leaves((ours, ours_too, our_value)), leaves((reference, reference, their_value)), leaves((theirs, their_gradient, their_value)))
         )
 
         def autograd_call(case: Case = case) -> Any:
@@ -157,6 +172,8 @@ def run(repeats: int = 15, compiler: str = "inductor", progress: Callable[[str],
         contenders: dict[str, Callable[[], Any]] = {
             "torchdi": lambda case=case, prep=prep, wrapped=wrapped: td.gradient(case.f, backend, case.x, *wrapped, prep=prep),
             "raw": lambda case=case, raw=raw: raw(case.x, *case.contexts),
+            "torchdi vag": lambda case=case, prep=prep, wrapped=wrapped: td.value_and_gradient(case.f, backend, case.x, *wrapped, prep=prep),
+            "raw gv": lambda case=case, raw_gv=raw_gv: raw_gv(case.x, *case.contexts),
             "autograd": autograd_call,
         }
         jax_fn = _jax_contender(case)
@@ -164,10 +181,11 @@ def run(repeats: int = 15, compiler: str = "inductor", progress: Callable[[str],
             contenders["jax"] = jax_fn
         if progress:
             progress(f"compile_overhead: {case.name}: timing {', '.join(contenders)}")
-        times = measure(contenders, repeats)
+        times = measure(contenders, repeats, timer)
         row: dict[str, Any] = {"scenario": case.name, "correct": correct, "compilations": prep.num_compilations}
         row.update({f"{name} (us)": seconds * 1e6 for name, seconds in times.items()})
         row["torchdi / raw"] = times["torchdi"] / times["raw"]
+        row["vag / raw gv"] = times["torchdi vag"] / times["raw gv"]
         row["autograd / torchdi"] = times["autograd"] / times["torchdi"]
         if "jax" in times:
             row["jax / torchdi"] = times["jax"] / times["torchdi"]
@@ -192,7 +210,10 @@ def _jax_contender(case: Case) -> Callable[[], Any] | None:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    columns = ["scenario", "torchdi (us)", "raw (us)", "autograd (us)", "jax (us)", "torchdi / raw", "autograd / torchdi", "jax / torchdi", "compilations", "correct"]
+    columns = [
+        "scenario", "torchdi (us)", "raw (us)", "torchdi vag (us)", "raw gv (us)", "autograd (us)", "jax (us)",
+        "torchdi / raw", "vag / raw gv", "autograd / torchdi", "jax / torchdi", "compilations", "correct",
+    ]
     columns = [c for c in columns if any(c in row for row in rows)]
 
     def cell(row: dict[str, Any], column: str) -> str:
@@ -218,10 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     # whenever the other core is busy, and the medians swing far more than the ratios measured.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown (the docs include it)")
+    parser.add_argument("--scenarios", default="abc", help="the scenarios to run, by letter (default abc)")
+    parser.add_argument(
+        "--timer", choices=("wall", "cpu"), default="wall",
+        help="wall: perf_counter (default); cpu: this thread's CPU time (a shared machine: one thread only)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    setting = f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats"
+    rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True), scenarios=args.scenarios,
+               timer=time.thread_time if args.timer == "cpu" else time.perf_counter)
+    setting = (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats"
+        + ("; thread CPU time" if args.timer == "cpu" else "")
+    )
     print(setting)
     print(format_rows(rows))
     if args.markdown:

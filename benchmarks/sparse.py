@@ -2,7 +2,10 @@
 
 Per problem: the colours torchdi and asdex use, sparsity detection (torchdi's ``TracerSparsity``
 with the numerical check of its pattern, ``prep.detection_seconds``, against
-``asdex.jacobian_sparsity``/``hessian_sparsity``, medians of 3), the prepared sparse call
+``asdex.jacobian_sparsity``/``hessian_sparsity``, in turn per repeat, medians of 7; torchdi's
+on-disk cache is off, so every preparation detects afresh as asdex does), the colouring left
+after detection (``prep.coloring_seconds``: the check already coloured a jacobian's columns and
+rows with the default colouring, which the preparation reuses), the prepared sparse call
 (``AutoSparse(AutoCompile())``), asdex's jitted call on the same function written in
 ``jax.numpy`` (float32 both, same input), their ratio, and the dense prepared call on the same
 ``AutoCompile`` (medians of interleaved repeats in one process, one thread, after one untimed
@@ -14,8 +17,11 @@ time the colouring alone: a 10^5 x 10^5 banded pattern (5 non-zeros per row) per
 a 10^5 tridiagonal hessian (star, acyclic), an n=1e4 arrowhead jacobian (bidirectional) and a
 dense 300 x 300 hessian.
 
-Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]`` or
-``python -m torchdi bench --suite sparse`` (quick). ``--readme`` writes the table between the
+Run: ``python benchmarks/sparse.py [--quick] [--compiler inductor] [--threads 1] [--readme]
+[--only TEXT]`` or ``python -m torchdi bench --suite sparse`` (quick). JAX runs on the same number
+of threads (``XLA_FLAGS``). The asdex columns need an environment with jax and asdex beside torch,
+e.g. ``python3 -m venv /tmp/venv-asdex && /tmp/venv-asdex/bin/pip install torch==2.13.0 jax==0.10.2
+jaxlib==0.10.2 asdex==0.5.1 numpy scipy && /tmp/venv-asdex/bin/pip install --no-deps -e .``. ``--readme`` writes the table between the
 ``<!-- torchdi-sparse:start -->`` and ``<!-- torchdi-sparse:end -->`` markers of README.md.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -161,8 +168,8 @@ class Asdex:
         jax.config.update("jax_platforms", "cpu")
         self.u = jnp.asarray(x.numpy())
         detect = asdex.jacobian_sparsity if op == "jacobian" else asdex.hessian_sparsity
-        self.detect_s = median_seconds(lambda: detect(f, self.u))
-        sparsity = detect(f, self.u)
+        self.detect = lambda: detect(f, self.u)
+        sparsity = self.detect()
         coloring = (asdex.jacobian_coloring_from_sparsity if op == "jacobian" else asdex.hessian_coloring_from_sparsity)(sparsity)
         self.ncolors = int(coloring.num_colors)
         self.call = jax.jit((asdex.jacobian if op == "jacobian" else asdex.hessian)(f, self.u))
@@ -174,6 +181,18 @@ class Asdex:
 
     def dense(self) -> torch.Tensor:
         return torch.from_numpy(np.array(self.call(self.u).todense()))
+
+
+def interleaved_detection(torchdi_seconds: Callable[[], float], asdex: Asdex | None, repeats: int) -> dict[str, float]:
+    """Median seconds of torchdi's detection (as the prep reports it) and asdex's, in turn per repeat."""
+    times: dict[str, list[float]] = {"torchdi": [], "asdex": []}
+    for _ in range(repeats):
+        times["torchdi"].append(torchdi_seconds())
+        if asdex is not None:
+            start = time.perf_counter()
+            asdex.detect()
+            times["asdex"].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items() if t}
 
 
 def fmt(seconds: float) -> str:
@@ -211,7 +230,7 @@ def close(got: torch.Tensor | None, want: torch.Tensor) -> bool:
     return torch.allclose(got, want.reshape(got.shape), rtol=1e-4, atol=1e-4 * max(float(want.abs().max()), 1.0))
 
 
-def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dict[str, str]]:
+def run(quick: bool, compiler: str, progress: Callable[[str], None], only: list[str] | None = None) -> list[dict[str, str]]:
     dense_backend = torchdi.AutoCompile(compiler=compiler)
     sparse_backend = torchdi.AutoSparse(dense_backend)
     repeats = 7 if quick else 21
@@ -219,13 +238,22 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
     torchdi.prepare_jacobian(diff_square, torchdi.AutoSparse(torchdi.AutoFunc()), torch.ones(3))
     rows = []
     for op, name, f, f_jax, x in scenarios(quick):
+        if only and not any(part in name for part in only):
+            continue
         progress(f"{op}: {name}")
         prepare = torchdi.prepare_jacobian if op == "jacobian" else torchdi.prepare_hessian
         call = torchdi.jacobian if op == "jacobian" else torchdi.hessian
         # The whole detection a preparation pays: the trace and the numerical check of its pattern
-        # (on AutoFunc, the eager backend AutoCompile's check runs on), medians of 3.
+        # (on AutoFunc, the eager backend AutoCompile's check runs on), interleaved with asdex's.
         eager = torchdi.AutoSparse(torchdi.AutoFunc())
-        detect_s = statistics.median(prepare(f, eager, x).detection_seconds for _ in range(3))
+        asdex = None
+        if HAS_ASDEX and f_jax is not None:
+            try:
+                asdex = Asdex(op, f_jax, x)
+            except Exception as error:  # an asdex API this script does not know
+                progress(f"  asdex: {type(error).__name__}: {error}")
+        detections = interleaved_detection(lambda: prepare(f, eager, x).detection_seconds, asdex, 3 if quick else 7)  # noqa: B023
+        detect_s = detections["torchdi"]
         start = time.perf_counter()
         prep = prepare(f, sparse_backend, x)
         sparse_prep_s = time.perf_counter() - start
@@ -236,13 +264,8 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
         if m * n <= MAX_DENSE:
             dense_prep = prepare(f, dense_backend, x)
             contenders["dense"] = lambda: call(f, dense_backend, x, prep=dense_prep)  # noqa: B023
-        asdex = None
-        if HAS_ASDEX and f_jax is not None:
-            try:
-                asdex = Asdex(op, f_jax, x)
-                contenders["asdex"] = asdex
-            except Exception as error:  # an asdex API this script does not know
-                progress(f"  asdex: {type(error).__name__}: {error}")
+        if asdex is not None:
+            contenders["asdex"] = asdex
         times = interleaved(contenders, repeats, 20.0)  # the closures above run within this iteration
         got = call(f, sparse_backend, x, prep=prep).to_dense() if dense_prep is not None or asdex is not None else None
         checks = []
@@ -260,7 +283,7 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
             "asdex colours": str(asdex.ncolors) if asdex else na,
             "mode": prep.sparse_mode,
             "detect": fmt(detect_s),
-            "asdex detect": fmt(asdex.detect_s) if asdex else na,
+            "asdex detect": fmt(detections["asdex"]) if asdex else na,
             "colour": fmt(prep.coloring_seconds),
             "sparse prep": fmt(sparse_prep_s),
             "sparse call": fmt(times["sparse"]),
@@ -271,11 +294,15 @@ def run(quick: bool, compiler: str, progress: Callable[[str], None]) -> list[dic
             "compiles": str(prep.num_compilations),
             "correct": correct,
         })
-    rows += colouring_rows(progress)
+    rows += colouring_rows(progress, only)
     return rows
 
 
-def colouring_rows(progress: Callable[[str], None]) -> list[dict[str, str]]:
+def fresh(pattern: IndexSets) -> IndexSets:
+    return IndexSets(pattern.indptr, pattern.indices, pattern.ncols)
+
+
+def colouring_rows(progress: Callable[[str], None], only: list[str] | None = None) -> list[dict[str, str]]:
     """Colouring alone, on closed-form patterns (medians of 3, wall time)."""
     n = 100_000
     i = np.repeat(np.arange(n), 5)
@@ -292,15 +319,18 @@ def colouring_rows(progress: Callable[[str], None]) -> list[dict[str, str]]:
     )
     cases: list[tuple[str, str, IndexSets, Callable[[], int]]] = []
     for order in ("natural", "largest_first", "smallest_last", "incidence_degree", "dynamic_largest_first", "random"):
-        cases.append((f"banded 1e5 (5 per row), {order}", "columns", banded, lambda o=order: int(column_coloring(banded, GreedyColoring(o)).max()) + 1))  # type: ignore[misc]
+        # A fresh pattern object per call: column colourings are memoized per pattern object.
+        cases.append((f"banded 1e5 (5 per row), {order}", "columns", banded, lambda o=order: int(column_coloring(fresh(banded), GreedyColoring(o)).max()) + 1))  # type: ignore[misc]
     cases += [
         ("tridiagonal hessian 1e5, star", "star", tridiagonal, lambda: int(star_coloring(tridiagonal, GreedyColoring()).max()) + 1),
         ("tridiagonal hessian 1e5, acyclic", "substitution", tridiagonal, lambda: int(acyclic_coloring(tridiagonal, GreedyColoring()).max()) + 1),
-        ("arrowhead jacobian 1e4, bidirectional", "mixed", arrow, lambda: sum(int(c.max()) + 1 for c in bidirectional_coloring(arrow, GreedyColoring()))),
+        ("arrowhead jacobian 1e4, bidirectional", "mixed", arrow, lambda: sum(int(c.max()) + 1 for c in bidirectional_coloring(fresh(arrow), GreedyColoring()))),
         ("dense hessian 300, star", "star", IndexSets.full(300, 300), lambda: int(star_coloring(IndexSets.full(300, 300), GreedyColoring()).max()) + 1),
     ]
     rows = []
     for name, mode, pattern, colour in cases:
+        if only and not any(part in name for part in only):
+            continue
         progress(f"colouring {name}")
         count = colour()
         seconds = median_seconds(colour)
@@ -340,10 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable medians on a shared machine)")
     parser.add_argument("--readme", action="store_true", help="write the table into README.md between the markers")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--only", action="append", default=None, metavar="TEXT",
+                        help="run only the problems whose name contains TEXT (repeatable; not with --readme)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.readme and args.only:
+        parser.error("--readme writes the whole table: drop --only")
+    # Every preparation detects and colours afresh, as asdex does: torchdi's on-disk cache
+    # (TORCHDI_CACHE_DIR) would otherwise serve the second detection of a problem from disk.
+    os.environ["TORCHDI_CACHE_DIR"] = ""
+    # XLA's CPU client runs on as many threads as torch does (before jax is imported): its own
+    # pool of one thread per core made asdex's medians swing 10-50x on a shared machine.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_cpu_multi_thread_eigen={'true' if args.threads > 1 else 'false'}"
+        f" intra_op_parallelism_threads={args.threads}"
+    ).strip()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-    rows = run(args.quick, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = run(args.quick, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True), only=args.only)
     header = (
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), AutoCompile(compiler={args.compiler!r}) "
         f"as the dense backend; float32; medians of interleaved repeats; asdex: {asdex_version()}"

@@ -325,6 +325,138 @@ def test_pinn_parameter_gradient_of_an_input_laplacian(outer, inner):
         assert prep.num_compilations == 1  # one program serves gradient and value_and_gradient
 
 
+# --------------------------------------------------------------------------- one-shot calls under a transform
+
+LEARNING = {"func": AutoFunc(), "autograd": AutoAutograd(), "so_autograd_func": SecondOrder(AutoAutograd(), AutoFunc())}
+
+
+@pytest.mark.parametrize("backend", list(LEARNING.values()), ids=list(LEARNING))
+def test_one_shot_call_under_a_transform_evaluates_f_once_less_after_the_first(backend):
+    """The PINN pattern: an operator without prep inside the step's grad. Preparation's extra
+    evaluation of f happens at the first step only; the result stays torch.func's."""
+    evaluations = [0]
+
+    def counted(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        evaluations[0] += 1
+        return f_scalar(x, c)
+
+    x = _x()
+
+    def loss(c: torch.Tensor) -> torch.Tensor:
+        return td.hvp(counted, backend, x, (V,), td.Constant(c))[0].sum()
+
+    def reference(c: torch.Tensor) -> torch.Tensor:
+        return jvp(lambda x_: grad(f_scalar)(x_, c), (x,), (V,))[1].sum()
+
+    counts = []
+    for _ in range(3):
+        evaluations[0] = 0
+        close(grad(loss)(C), grad(reference)(C), backend)
+        counts.append(evaluations[0])
+    assert counts[1] == counts[0] - 1 and counts[2] == counts[1], counts
+    cs = torch.stack([C, 2 * C])
+    for _ in range(2):  # under vmap too (other logical shapes: learned anew)
+        close(vmap(grad(loss))(cs), vmap(grad(reference))(cs), backend)
+
+
+def test_one_shot_call_whose_output_changed_is_prepared_again():
+    """What the first call learned about f's output is checked at every evaluation: a changed
+    output layout gets the result (or the error) of a fresh preparation, never a stale layout."""
+    n = [3]
+
+    def f(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (c * x.sin())[: n[0]]
+
+    def jac(c: torch.Tensor) -> torch.Tensor:
+        return td.jacobian(f, AutoFunc(), _x(), td.Constant(c))
+
+    for size in (3, 3, 2, 2):
+        n[0] = size
+        close(jacrev(jac)(C), jacrev(lambda c: jacrev(f)(_x(), c))(C), AutoFunc())
+
+    def scalar_then_vector(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        y = (c * x.sin()).sum()
+        return y if n[0] else y.expand(2)
+
+    def hv(c: torch.Tensor) -> torch.Tensor:
+        return td.hvp(scalar_then_vector, AutoFunc(), _x(), (V,), td.Constant(c))[0].sum()
+
+    n[0] = 1
+    grad(hv)(C)
+    grad(hv)(C)
+    n[0] = 0  # the message of a fresh preparation, not torch.func's
+    with pytest.raises(ValueError, match="f must return a scalar"):
+        grad(hv)(C)
+
+
+@pytest.mark.parametrize("into", ["x", "context 1 (Constant)"])
+def test_one_shot_call_under_a_transform_still_refuses_writes(into):
+    """After the first call, f starts writing into its inputs: refused as at preparation (vmap
+    lets writes into batched tensors happen; grad refuses writes into captured tensors itself)."""
+    writes = [False]
+
+    def f(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        if writes[0]:
+            (x if into == "x" else c).mul_(2)
+        return (c * x.sin()).sum()
+
+    xs, cs = torch.stack([_x(i) for i in range(3)]), torch.stack([C * (1 + i) for i in range(3)])
+    before = xs.clone(), cs.clone()
+
+    def batched() -> torch.Tensor:
+        return vmap(lambda x, c: td.gradient(f, AutoFunc(), x, td.Constant(c)))(xs, cs)
+
+    want = batched()
+    close(batched(), want, AutoFunc())
+    writes[0] = True
+    with pytest.raises(ValueError, match=f"wrote in place into {into}".replace("(", r"\(").replace(")", r"\)")):
+        batched()
+    assert torch.equal(xs, before[0]) and torch.equal(cs, before[1])
+
+
+def test_one_shot_call_under_a_transform_draws_what_a_fresh_one_draws():
+    def noisy(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (c * x.sin() * torch.rand(3, dtype=DT)).sum()
+
+    def loss(c: torch.Tensor) -> torch.Tensor:
+        return td.gradient(noisy, AutoFunc(), _x(), td.Constant(c)).sum()
+
+    results = []
+    for _ in range(3):  # a fresh preparation, then learned calls
+        torch.manual_seed(7)
+        results.append((grad(loss)(C), torch.rand(())))
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0], rtol=0, atol=0)
+
+
+def test_autofunc_adds_no_view_for_a_0d_output():
+    """A reshape of a 0-d output would add a view to the graph of every transform level."""
+    from torchdi.engines import func
+
+    y = torch.ones((), dtype=DT)
+    assert func._scalar(y) is y and func._shaped(y, torch.Size([])) is y
+    assert func._scalar(torch.ones(1, 1)).shape == () and func._shaped(y, (1,)).shape == (1,)
+
+
+def test_what_one_shot_calls_learned_dies_with_f():
+    import gc
+    import weakref
+
+    from torchdi.operators import _one_shot
+
+    def learn() -> Any:
+        def f(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return (c * x.sin()).sum()
+
+        grad(lambda c: td.gradient(f, AutoFunc(), _x(), td.Constant(c)).sum())(C)
+        assert f in _one_shot._LEARNED
+        return weakref.ref(f)
+
+    alive = learn()
+    gc.collect()
+    assert alive() is None
+
+
 @pytest.mark.parametrize("backend", EAGER_VALUES, ids=EAGER_IDS)
 def test_gradient_penalty_trains_the_critic(backend):
     torch.manual_seed(1)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import torchdi as td
+from torchdi import _fence
 from torchdi.engines import _dynamo
 
 REFERENCE = td.AutoAutograd()
@@ -63,16 +64,8 @@ FENCES = {
 ALLOWED_PRIVATE_MODULES = {"torch.utils._pytree"}
 # Private attributes of public torch objects that the fences read.
 FENCED_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_schema", "_overloadname", "_local_tensor", "_version", "_base"}
-# Not fenced yet (on every torch this suite runs on): Tensor._version, the in-place version
-# counter of the mutation and same-point checks and of AutoXLA's module replica, and
-# Tensor._base (is a gradient a view?) in into_grad. Listed by module so that no new use slips in.
-NOT_YET_FENCED = {
-    "operators/_guards.py": {"._version"},
-    "operators/same_point.py": {"._version"},
-    "engines/xla.py": {"._version"},
-    "differentiate_with.py": {"._version"},
-    "into_grad.py": {"._base"},
-}
+# Not fenced yet: none (Tensor._version and Tensor._base go through torchdi/_fence.py).
+NOT_YET_FENCED: dict[str, set[str]] = {}
 
 
 def _private_uses(tree):
@@ -505,3 +498,65 @@ def test_data_parallel_func_without_layer_by_layer_gathers_every_shard_at_once(s
         torch.testing.assert_close(layered[name].full_tensor(), want[name])
         torch.testing.assert_close(whole[name].full_tensor(), want[name])
     assert len(_warnings_naming(caplog, "layer_by_layer")) == 1
+
+
+@pytest.fixture
+def without_tensor_internal(monkeypatch):
+    """``without_tensor_internal(name)``: this torch lacks ``Tensor._version`` / ``Tensor._base``."""
+    monkeypatch.setattr(_fence.TENSOR, "warned", set())
+
+    def remove(name):
+        monkeypatch.setattr(_fence, {"version_counter": "VERSION_COUNTER", "view_base": "VIEW_BASE"}[name], None)
+
+    return remove
+
+
+def test_tensor_internals_are_probed():
+    assert set(_fence.TENSOR.fast_paths) == {"version_counter", "view_base"}
+    t = torch.ones(3)
+    assert _fence.tensor_version(t) == 0 and not _fence.maybe_view(t) and _fence.maybe_view(t[1:])
+    t.add_(1.0)
+    assert _fence.tensor_version(t) == 1
+
+
+def test_mutation_checks_without_the_version_counter(without_tensor_internal, caplog):
+    without_tensor_internal("version_counter")
+    x, c = torch.ones(3), torch.ones(3)
+
+    def writes(x, c):
+        c.mul_(2.0)
+        return (x * c).sum()
+
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        # a write into a Constant is still refused (values compared), and the Constant restored
+        with pytest.raises(ValueError, match="wrote in place into context 1"):
+            td.gradient(writes, td.AutoFunc(), x, td.Constant(c))
+        assert torch.equal(c, torch.ones(3))
+        # a same-point preparation still refuses a point modified since
+        def product(x, c):
+            return x * c
+
+        ty = (torch.ones(3),)
+        prep = td.prepare_pullback_same_point(product, td.AutoFunc(), x, ty, td.Constant(c))
+        torch.testing.assert_close(td.pullback(product, td.AutoFunc(), x, ty, td.Constant(c), prep=prep)[0], c)
+        c.add_(1.0)
+        with pytest.raises(td.PreparationMismatchError, match=r"context 1 was modified in place since preparation \(its values changed\)"):
+            td.pullback(product, td.AutoFunc(), x, ty, td.Constant(c), prep=prep)
+        # DifferentiateWith's check of f's evaluation too
+        def writes_through(z, k):
+            k.add_(1.0)
+            return z * k
+
+        with pytest.raises(ValueError, match=r"context 1 \(Constant\)"):
+            td.DifferentiateWith(writes_through, td.AutoAutograd())(x, td.Constant(c.clone()))
+    assert len(_warnings_naming(caplog, "version_counter")) == 1
+
+
+def test_into_grad_without_the_view_base(without_tensor_internal, caplog):
+    without_tensor_internal("view_base")
+    param = torch.nn.Parameter(torch.ones(3))
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        grad = td.gradient(lambda p: (p["p"] ** 2).sum(), td.AutoFunc(), {"p": param}, out=td.into_grad({"p": param}))
+    torch.testing.assert_close(param.grad, 2 * torch.ones(3))
+    assert grad["p"] is param.grad and param.grad.is_contiguous()
+    assert len(_warnings_naming(caplog, "view_base")) == 1

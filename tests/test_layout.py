@@ -158,3 +158,28 @@ def test_import_torchdi_loads_no_heavy_module() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"import torchdi loads {done.stdout.strip()}"
+
+
+def test_implements_agrees_with_isinstance() -> None:
+    """``runners.implements`` (the fast protocol check) gives ``isinstance``'s answer for every
+    runner protocol, on runners with and without the optional parts and on engines."""
+    import torch
+
+    import torchdi as td
+    from torchdi import runners
+
+    protocols = [
+        runners.WarmsUp, runners.HasCheckedCall, runners.CountsCompilations, runners.Publishes, runners.HasPath,
+        runners.ServesEmpty, runners.TranslatesContexts, runners.Engine,
+    ]
+    x = torch.ones(3)
+    objects: list[object] = [lambda x, t, c: (x,), object()]
+    for backend in (td.AutoAutograd(), td.AutoCompile(compiler="aot_eager"), td.AutoSparse(td.AutoFunc())):
+        objects.append(runners.engine_for(backend))
+    objects.append(td.prepare_gradient(lambda x: (x**2).sum(), td.AutoCompile(compiler="aot_eager"), x).runner)
+    objects.append(td.prepare_jacobian(lambda x: x**2, td.AutoSparse(td.AutoFunc()), x).runner)
+    for obj in objects:
+        for protocol in protocols:
+            assert runners.implements(obj, protocol) is isinstance(obj, protocol), (obj, protocol)
+    assert any(runners.implements(obj, runners.WarmsUp) for obj in objects)
+    assert any(runners.implements(obj, runners.Publishes) for obj in objects)

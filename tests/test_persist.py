@@ -356,7 +356,8 @@ def test_sparse_persistence_across_processes(tmp_path):
 @pytest.mark.inductor
 def test_compiled_persistence_across_processes(tmp_path):
     """The second process loads the first one's artifacts (its compilation hits torch's caches),
-    returns the same values, and a changed global still recompiles (dynamo's guards)."""
+    returns the same values, and a changed global still recompiles (dynamo's guards); a third
+    process whose global differs from the start does not load them."""
     cache = str(tmp_path / "cache")
     first = _run(tmp_path, "compile", "2.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor1")})
     second = _run(tmp_path, "compile", "2.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor2")})
@@ -366,3 +367,43 @@ def test_compiled_persistence_across_processes(tmp_path):
     expected = torch.func.grad(lambda x: torch.diff(x**2 * 3.0).sum())(torch.linspace(0.5, 1.5, 6))
     assert torch.allclose(torch.tensor(second["changed_value"]), expected)
     assert second["changed_compilations"] == 2
+    # A global that changed before the load (C=4 from the start): another program, never the
+    # persisted one's value.
+    third = _run(tmp_path, "compile", "4.0", "3.0", cache, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor2")})
+    assert third["loaded"] is False and third["compilations"] == 1
+    expected = torch.func.grad(lambda x: torch.diff(x**2 * 4.0).sum())(torch.linspace(0.5, 1.5, 6))
+    assert torch.allclose(torch.tensor(third["value"]), expected)
+
+
+PRECOMPILE_C = 2.0
+
+
+def _precompile_helper(x):
+    return x**2 * PRECOMPILE_C
+
+
+def _precompile_f(x):
+    return _precompile_helper(x).sum()
+
+
+def test_dynamo_caching_precompile_is_kept_off(monkeypatch):
+    """A user's TORCH_CACHING_PRECOMPILE=1 (dynamo's caching precompile) drops dynamo's function and
+    closure guards from every compilation: torchdi's compilations run without it, so a helper
+    function rebound after preparation recompiles (rule 7) instead of returning the old value."""
+    config = torch._dynamo.config
+    if not hasattr(config, "caching_precompile"):
+        pytest.skip("this torch has no caching precompile")
+    before = config.caching_precompile
+    # config.patch, not monkeypatch.setattr: monkeypatch's undo deletes a ConfigModule entry.
+    with config.patch(caching_precompile=True):
+        backend = torchdi.AutoCompile(compiler="aot_eager")
+        x = torch.linspace(0.5, 1.5, 6)
+        prep = torchdi.prepare_gradient(_precompile_f, backend, x)
+        assert torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)[0].item() == pytest.approx((x**2 * 2).sum().item())
+        monkeypatch.setitem(globals(), "_precompile_helper", lambda x: x**3 * PRECOMPILE_C)
+        value, grad = torchdi.value_and_gradient(_precompile_f, backend, x, prep=prep)
+        assert value.item() == pytest.approx((x**3 * 2).sum().item())  # the old program gave (x**2 * 2).sum()
+        assert torch.allclose(grad, 6 * x**2)
+        assert prep.num_compilations == 2
+        assert config.caching_precompile is True  # the user's setting is left as it was
+    assert config.caching_precompile is before

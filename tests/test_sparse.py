@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -110,7 +111,31 @@ RULE_CASES = {
         lambda x: torch.zeros(2, 3).scatter_add(1, torch.tensor([[0, 0, 1], [2, 2, 2]]), x.reshape(2, 3)).reshape(-1),
         torch.rand(6) + 1,
     ),
+    # Writes: the first run (not functionalized) stops at f's first write and f is traced again
+    # functionalized; f's own `except Exception` must not swallow that stop.
+    "write-into-slice": (lambda x: _writes_in_place(x), torch.rand(4) + 1),
+    "write-into-created": (lambda x: _writes_into_created(x), torch.rand(4) + 1),
+    "write-in-try": (lambda x: _writes_in_try(x), torch.rand(4) + 1),
 }
+
+
+def _writes_in_place(x):
+    y = x * 2
+    y[1:3] += x[:2] ** 2
+    return y.mul_(3)
+
+
+def _writes_into_created(x):
+    buffer = torch.zeros(3)
+    buffer[1:] = x[:2] * x[2:]
+    return buffer
+
+
+def _writes_in_try(x):
+    y = x.clone()
+    with contextlib.suppress(Exception):  # a tracer that signalled with an Exception would lose the write here
+        y[0] = x[3]
+    return y
 
 
 @pytest.mark.parametrize("case", sorted(RULE_CASES))
@@ -211,6 +236,51 @@ def random_pattern(rows: int, cols: int, density: float, seed: int) -> IndexSets
 def random_symmetric(n: int, density: float, seed: int, diagonal: bool = True) -> IndexSets:
     upper = np.triu(np.random.default_rng(seed).random((n, n)) < density, 1)
     return IndexSets.from_dense(upper | upper.T | (np.eye(n, dtype=bool) & diagonal))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_index_sets_uniform_fast_paths_equal_the_general_ones(seed):
+    # take and union read uniform sets (every row the same length) as one block; the results
+    # must be the sets the general CSR paths give (compared through dense masks).
+    rng = np.random.default_rng(seed)
+    n, width = 30, 3
+    block = np.sort(np.stack([rng.choice(40, size=width, replace=False) for _ in range(n)]), axis=1)
+    uniform = IndexSets.uniform(block, 40)
+    general = IndexSets(uniform.indptr.copy(), uniform.indices.copy(), 40)  # width computed, not given
+    assert uniform.width == general.width == width
+    assert random_pattern(n, 40, 0.3, seed).width == -1
+    dense = general.to_dense()
+    rows = rng.integers(0, n, size=50)
+    assert np.array_equal(uniform.take(rows).to_dense(), dense[rows])
+    assert uniform.take(rows).width == width
+    with_missing = np.where(rng.random(50) < 0.3, -1, rows)
+    assert np.array_equal(uniform.take(with_missing).to_dense(), np.where((with_missing >= 0)[:, None], dense[rows], False))
+    other = IndexSets.uniform(np.sort(rng.integers(0, 40, size=(n, 1)), axis=1), 40)  # overlaps block's rows at random
+    union = IndexSets.union([uniform, other, IndexSets.identity(40).take(np.arange(n))])
+    assert np.array_equal(union.to_dense(), dense | other.to_dense() | np.eye(n, 40, dtype=bool))
+    assert all(np.all(np.diff(union.indices[a:b]) > 0) for a, b in zip(union.indptr[:-1], union.indptr[1:]))  # sorted, distinct
+    assert IndexSets.union([uniform, uniform]) == uniform
+
+
+def test_check_and_preparation_colour_a_jacobian_pattern_once(monkeypatch):
+    # The numerical check of the traced pattern colours its columns and rows with the default
+    # colouring, as the preparation then does: each is computed once per pattern.
+    import torchdi.sparsity.coloring as coloring_module
+
+    calls = []
+    real = coloring_module._column_coloring
+    monkeypatch.setattr(coloring_module, "_column_coloring", lambda p, c: calls.append((p.nrows, p.ncols)) or real(p, c))
+    monkeypatch.setenv("TORCHDI_CACHE_DIR", "")
+    x = torch.rand(4, 4, 2, dtype=torch.float64)
+    backend = torchdi.AutoSparse(torchdi.AutoFunc())
+    prep = torchdi.prepare_jacobian(brusselator, backend, x)
+    assert sorted(calls) == [(32, 32), (32, 32)]  # the columns of the pattern and of its transpose
+    assert torch.allclose(torchdi.jacobian(brusselator, backend, x, prep=prep).to_dense(), dense_jacobian(brusselator, x))
+    pattern = random_pattern(20, 30, 0.2, 0)
+    first = column_coloring(pattern, GreedyColoring())
+    first[:] = -7  # a caller's copy: the memo keeps its own
+    assert np.array_equal(column_coloring(pattern, GreedyColoring()), column_coloring(random_pattern(20, 30, 0.2, 0), GreedyColoring()))
+    assert pattern.transpose() is pattern.transpose()
 
 
 def banded(n: int, lower: int, upper: int) -> np.ndarray:
@@ -314,6 +384,63 @@ def test_star_and_acyclic_colourings_are_valid_and_recover_the_hessian(order, se
         assert torch.allclose(recovered, torch.from_numpy(values[pattern.row_ids(), pattern.indices]))
     chosen = symmetric_coloring(pattern, GreedyColoring(order, seed=seed, decompression="substitution"))
     assert chosen.max() <= star.max()  # substitution never needs more colours than star
+
+
+@pytest.mark.parametrize("order", ["natural", "smallest_last"])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("density", [0.05, 0.12, 0.3])
+def test_postprocessed_acyclic_colourings_recover_the_hessian(order, seed, density):
+    # Patterns without a full diagonal: post-processing may leave colours out of every HVP; the
+    # substitution must still recover every entry, with no more colours than before.
+    pattern = random_symmetric(30, density, seed, diagonal=False) if seed % 2 else star_forest(30, density, seed)
+    values = symmetric_values(pattern, seed)
+    plain = symmetric_coloring(pattern, GreedyColoring(order, seed=seed, decompression="substitution"))
+    processed = symmetric_coloring(pattern, GreedyColoring(order, seed=seed, postprocessing=True, decompression="substitution"))
+    assert processed.max() <= plain.max()
+    assert np.array_equal(processed >= 0, np.isin(plain, np.unique(plain[processed >= 0])))  # whole colours go
+    recovery = substitution_recovery(pattern, processed)
+    hvps = seeds(processed, 30, torch.float64, torch.device("cpu")) @ torch.from_numpy(values)
+    recovered = TorchRecovery(recovery, torch.device("cpu")).values(hvps.reshape(-1))
+    assert torch.allclose(recovered, torch.from_numpy(values[pattern.row_ids(), pattern.indices]))
+
+
+def star_forest(n: int, extra: float, seed: int) -> IndexSets:
+    """Stars around four centres (some with a diagonal entry), and a few random edges."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((n, n), dtype=bool)
+    centres = rng.choice(n, size=4, replace=False)
+    for v in range(n):
+        if v not in centres:
+            c = centres[rng.integers(4)]
+            mask[v, c] = mask[c, v] = True
+    noise = np.triu(rng.random((n, n)) < extra / 4, 1)
+    mask |= noise | noise.T
+    mask[centres, centres] = rng.random(4) < 0.5
+    return IndexSets.from_dense(mask)
+
+
+def test_postprocessed_acyclic_colouring_known_counts_and_refusals():
+    from torchdi.sparsity.coloring import postprocess_acyclic
+
+    star = np.zeros((6, 6), dtype=bool)
+    star[0, 1:] = star[1:, 0] = True
+    leaves_only = IndexSets.from_dense(star)  # K_{1,5} without diagonal: the centre's colour alone
+    coloring = GreedyColoring(postprocessing=True, decompression="substitution")
+    assert symmetric_coloring(leaves_only, coloring).tolist() == [0, -1, -1, -1, -1, -1]
+    centre_diagonal = star.copy()
+    centre_diagonal[0, 0] = True
+    assert symmetric_coloring(IndexSets.from_dense(centre_diagonal), coloring).max() + 1 == 1
+    full_diagonal = IndexSets.from_dense(star | np.eye(6, dtype=bool))  # every colour is read on the diagonal
+    assert symmetric_coloring(full_diagonal, coloring).max() + 1 == 2
+    path = IndexSets.from_dense(banded(6, 1, 1) & ~np.eye(6, dtype=bool))  # interior vertices see two of the other colour
+    assert postprocess_acyclic(path, np.array([0, 1, 0, 1, 0, 1])).tolist() == [0, 1, 0, 1, 0, 1]
+    # Colourings substitution cannot use: neighbours both in no seed, a neutral vertex inside a tree.
+    with pytest.raises(ValueError, match="not proper"):
+        substitution_recovery(path, np.array([0, -1, -1, 0, 1, 0]))
+    with pytest.raises(ValueError, match="not a leaf"):
+        substitution_recovery(path, np.array([0, -1, 0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="diagonal entry of a vertex in no seed"):
+        substitution_recovery(full_diagonal, np.array([0, -1, -1, -1, -1, -1]))
 
 
 @pytest.mark.parametrize("order", ALL_ORDERS)
@@ -742,10 +869,8 @@ def test_rule_2_on_compiled_sparse_both_variants(family):
         assert prep.num_compilations == before, name
 
 
-def test_substitution_with_postprocessing_or_bidirectional_is_refused_clearly():
-    # Neither combination is implemented: an error naming what works, never the option silently dropped.
-    with pytest.raises(ValueError, match=r"postprocessing=True works with decompression='direct'.*GreedyColoring\(decompression='substitution'\)"):
-        torchdi.GreedyColoring(postprocessing=True, decompression="substitution")
+def test_substitution_with_bidirectional_is_refused_clearly():
+    # Not implemented: an error naming what works, never the option silently dropped.
     mixed = torchdi.MixedMode(torchdi.AutoFunc(), torchdi.AutoFunc())
     backend = torchdi.AutoSparse(mixed, coloring=torchdi.GreedyColoring(decompression="substitution"))
     with pytest.raises(ValueError, match=r"bidirectional colouring \(MixedMode jacobians\).*GreedyColoring\(decompression='direct'\)"):
@@ -757,6 +882,23 @@ def test_substitution_with_postprocessing_or_bidirectional_is_refused_clearly():
     assert torch.allclose(torchdi.hessian(chained_rosenbrock, backend, x, prep=prep).to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, x))
     one_sided = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(decompression="substitution"))
     assert torch.allclose(torchdi.jacobian(arrow, one_sided, x).to_dense(), dense_jacobian(arrow, x))
+
+
+def test_substitution_with_postprocessing_hessian_equals_dense():
+    # x0 * sum(x[1:]) + x0^3: an arrowhead hessian with one diagonal entry: one HVP (star and
+    # plain acyclic colourings need two), recovered by substitution, equal to the dense hessian;
+    # the colouring round-trips through prep.known_coloring.
+    def arrowhead(x):
+        return x[0] * x[1:].sum() + x[0] ** 3
+
+    x = torch.rand(12, dtype=torch.float64) + 0.5
+    backend = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=torchdi.GreedyColoring(postprocessing=True, decompression="substitution"))
+    prep = torchdi.prepare_hessian(arrowhead, backend, x)
+    assert (prep.sparse_mode, prep.ncolors) == ("substitution", 1)
+    want = torch.autograd.functional.hessian(arrowhead, x)
+    assert torch.allclose(torchdi.hessian(arrowhead, backend, x, prep=prep).to_dense(), want)
+    again = torchdi.AutoSparse(torchdi.AutoFunc(), coloring=prep.known_coloring)
+    assert torch.allclose(torchdi.hessian(arrowhead, again, x).to_dense(), want)
 
 
 # ----------------------------------------------------------------------------------------------

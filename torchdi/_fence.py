@@ -5,6 +5,15 @@ for torch-xla, ``_distributed_private.py`` for ``torch.distributed``, ``sparsity
 aten's operator objects) probes each private internal once, keeps it in a module attribute (which
 the fence tests set to "missing" in turn) and gives a public fallback for it. This module sits on
 the lowest floor (it imports only torch), so that fences below the engines can use it.
+
+It also fences the two private attributes of ``torch.Tensor`` that modules on every floor read:
+``Tensor._version`` (autograd's in-place version counter: torch has ``torch.autograd.graph.
+increment_version`` to bump it, nothing public to read it) and ``Tensor._base`` (whether a tensor
+is a view; ``Tensor._is_view`` is private too). Both have been on ``TensorBase`` since torch 0.4,
+and torch's own Python (checkpointing, functorch, the optimizers' tests) reads them; still, they
+are private by name, so each reader goes through ``tensor_version`` / ``maybe_view`` and has a
+public fallback: compare values (a clone of each watched tensor), or treat a tensor as a view
+(copy it).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Fence", "probe"]
+__all__ = ["TENSOR", "Fence", "maybe_view", "probe", "tensor_version"]
 
 logger = logging.getLogger("torchdi")
 
@@ -58,3 +67,38 @@ class Fence:
             f" ({detail})" if detail else "",
             self.costs.get(name, "which is slower but gives the same results"),
         )
+
+
+TENSOR = Fence(
+    {
+        "version_counter": "Tensor._version, autograd's in-place version counter (a write into x, a Constant or a "
+        "same-point tensor, or into an AutoXLA module's host tensors, seen without comparing values)",
+        "view_base": "Tensor._base, whether a tensor is a view (into_grad adopts a fresh gradient as .grad without a copy)",
+    },
+    costs={
+        "version_counter": "which compares values (a clone of each watched tensor: more memory, and a write "
+        "that keeps every value goes unseen, which leaves the tensor as it was)",
+        "view_base": "which copies every gradient it adopts as .grad",
+    },
+)
+
+# Probed once (the fence tests set them to None in turn): the getset descriptors on TensorBase.
+VERSION_COUNTER: Any = probe(lambda: torch.Tensor._version)
+VIEW_BASE: Any = probe(lambda: torch.Tensor._base)
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """autograd's version counter of ``tensor`` (every in-place write bumps it), or ``None`` where
+    this torch lacks it: the caller then compares values."""
+    if VERSION_COUNTER is None:
+        TENSOR.warn_off("version_counter")
+        return None
+    return int(tensor._version)
+
+
+def maybe_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (``True`` where this torch cannot say)."""
+    if VIEW_BASE is None:
+        TENSOR.warn_off("view_base")
+        return True
+    return tensor._base is not None

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import tensor_version
 from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.engines._dynamo import (
@@ -59,6 +60,7 @@ from torchdi.operators import (
     pushforward,
 )
 from torchdi.operators._checks import check_backend
+from torchdi.operators._guards import same_values
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import engine_for
 
@@ -544,10 +546,16 @@ def _evaluate(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
     """``f``'s output leaves, without a graph; records ``y``'s structure in ``layout``."""
     bound = bind_contexts(layout.owner.f, layout.mask)
     watched = _read_only(layout, tensors)
-    versions = [t._version for _, t in watched]
+    versions = [tensor_version(t) for _, t in watched]
+    # Without the version counter (fence): copies, compared after the evaluation.
+    copies = [t.detach().clone() if version is None else None for (_, t), version in zip(watched, versions)]
     with torch.no_grad():
         y = bound(layout.x(tensors), layout.values(tensors))
-    written = [name for (name, t), version in zip(watched, versions) if t._version != version]
+    written = [
+        name
+        for (name, t), version, copy in zip(watched, versions, copies)
+        if (not same_values(t, copy) if copy is not None else tensor_version(t) != version)
+    ]
     if written:
         raise ValueError(
             f"DifferentiateWith: f wrote in place into {', '.join(written)}. x and Constants must not "

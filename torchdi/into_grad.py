@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import maybe_view
+
 __all__ = ["IntoGrad", "into_grad"]
 
 
@@ -69,7 +71,7 @@ class IntoGrad:
                 if current is None:
                     # A fresh result the caller does not hold elsewhere: adopt it, no copy. A view
                     # (an expanded gradient of a sum, say) is copied: later adds must not alias.
-                    if grad._base is not None or not grad.is_contiguous() or grad.dtype != param.dtype:
+                    if maybe_view(grad) or not grad.is_contiguous() or grad.dtype != param.dtype:
                         grad = grad.to(param.dtype, memory_format=torch.contiguous_format, copy=True)
                     param.grad = grad
                 elif self.accumulate:

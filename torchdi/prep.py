@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.runners import Publishes, checked_entry, num_compilations, runner_path
+from torchdi.runners import Publishes, checked_entry, implements, num_compilations, runner_path
 from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
@@ -161,10 +161,9 @@ class Prep:
         backend: the backend it was prepared for.
         strict: whether each call checks the arguments' signatures.
         num_compilations: how many graphs a compiler compiled for this preparation (0 for
-            eager backends). It does not grow over calls that satisfy the rules, except once
-            when the plain ``gradient`` of a compiled preparation is first called (its variant
-            without the value is compiled on first use), and when one of the compiler's own
-            guards fails (a global, a closure cell, the grad mode ... changed), exactly where
+            eager backends). It does not grow over calls that satisfy the rules (one program
+            serves the operator and its ``value_`` variant), except when one of the compiler's
+            own guards fails (a global, a closure cell, the grad mode ... changed), exactly where
             raw ``torch.compile`` would recompile.
         output_shape: shape of ``f(x, ...)`` at preparation (``None`` for pytree outputs).
     """
@@ -179,6 +178,7 @@ class Prep:
         "f_needs_grad",
         "has_aux",
         "keep_static",
+        "learned",
         "operator",
         "output_shape",
         "point",
@@ -232,6 +232,9 @@ class Prep:
         self.has_aux = False
         # A same-point preparation's point (prepare_*_same_point): checked on every call.
         self.point: Any = None
+        # What a preparation under a torch.func transform learned about f's output, which later
+        # one-shot calls there reuse (torchdi.operators._one_shot), or None. Set by prepare_operator.
+        self.learned: Any = None
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
@@ -239,7 +242,7 @@ class Prep:
             runner = object.__getattribute__(self, "runner")
         except AttributeError:  # during unpickling or before __init__
             runner = None
-        published = runner.published if isinstance(runner, Publishes) else {}
+        published = runner.published if implements(runner, Publishes) else {}
         if name in published:
             return published[name]
         raise AttributeError(f"'Prep' object has no attribute {name!r}")

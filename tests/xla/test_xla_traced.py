@@ -90,6 +90,16 @@ def test_module_constant_follows_an_optimizer_each_step_like_eager():
     assert all(p.device.type == "cpu" for p in model.parameters())  # the user's module stays where it was
 
 
+def test_module_constant_follows_an_optimizer_without_the_version_counter(monkeypatch):
+    """Without ``Tensor._version`` (fence), the module replica copies the host values every call:
+    still the eager results, still no recompilation."""
+    from torchdi import _fence
+
+    monkeypatch.setattr(_fence, "VERSION_COUNTER", None)
+    monkeypatch.setattr(_fence.TENSOR, "warned", set())
+    test_module_constant_follows_an_optimizer_each_step_like_eager()
+
+
 def test_module_constant_training_flag_is_followed():
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)).eval()
     prep = td.prepare_gradient(model_loss, XLA, point(0, (2, 6)), td.Constant(model))

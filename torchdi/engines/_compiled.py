@@ -60,7 +60,9 @@ from torchdi.engines._dynamo import (
     forget_float_specializations,
     fresh_entry_point,
     graph_break_errors,
+    patched_config,
     release,
+    sound_settings,
 )
 from torchdi.fingerprint import fingerprint
 from torchdi.translate import (
@@ -107,7 +109,7 @@ def _aot_eager_verdict(entry: Callable[..., Any], arguments: tuple[Any, Any, Any
     """After inductor failed: whether ``compiler="aot_eager"`` compiles the same entry point (tried
     once, on a copy of the arguments), and so what to use instead."""
     try:
-        with torch.compiler.set_stance("default"):
+        with torch.compiler.set_stance("default"), patched_config(sound_settings()):
             torch.compile(entry, backend="aot_eager", fullgraph=fullgraph, dynamic=False)(*pytree.tree_map(
                 lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, arguments
             ))

@@ -33,7 +33,8 @@ The fast paths, by name (``FAST_PATHS``):
 - ``"dynamo_config"``: the ``torch._dynamo.config`` knobs torchdi sets per call
   (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
   knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
-  where torch has that argument).
+  where torch has that argument). ``caching_precompile`` is turned off around every torchdi
+  compilation (``sound_settings``: it drops guards rule 7 needs).
 - ``"as_tensor_handler"``: an entry for ``torch.as_tensor`` in dynamo's table of special
   handlers (``TorchInGraphFunctionVariable._get_handlers()``), installed only while a torchdi
   preparation compiles: ``torch.as_tensor(c)`` of a symbolic float is traced as dynamo traces
@@ -136,8 +137,10 @@ __all__ = [
     "legacy_rebatch",
     "legacy_unbatch",
     "outside_legacy_vmap",
+    "patched_config",
     "release_code",
     "set_grad_enabled",
+    "sound_settings",
     "transforms_active",
     "warn_off",
 ]
@@ -406,11 +409,33 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
 
 def compile_function(function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None) -> Any:
     """``torch.compile(function, ...)`` with the preparation's recompile limit where torch takes
-    it as an argument (the config knob covers older torch)."""
+    it as an argument (the config knob covers older torch), outside dynamo's caching precompile
+    (``sound_settings``: ``torch.compile`` decides at this call whether a function joins it)."""
     extra: dict[str, Any] = {}
     if "recompile_limit" in _COMPILE_PARAMETERS:
         extra["recompile_limit"] = RECOMPILE_LIMIT
-    return torch.compile(function, backend=backend, fullgraph=fullgraph, dynamic=dynamic, **extra)
+    with patched_config(sound_settings()):
+        return torch.compile(function, backend=backend, fullgraph=fullgraph, dynamic=dynamic, **extra)
+
+
+def sound_settings() -> dict[str, Any]:
+    """The ``torch._dynamo.config`` values every torchdi compilation needs for rule 7, where this
+    torch has the knob (a torch without it lacks what they turn off: no warning).
+
+    ``caching_precompile`` (``TORCH_CACHING_PRECOMPILE=1``, torch 2.8 .. 2.14.1) off: with it on,
+    dynamo drops its ``ID_MATCH``, ``CLOSURE_MATCH``, ``FUNCTION_MATCH`` (derived), ``DICT_VERSION``
+    and ``WEAKREF_ALIVE`` guards from every compilation, in this process too, so a helper function
+    rebound after preparation is not seen and the old program's value is returned (measured on
+    torch 2.13: ``helper = helper2`` kept returning ``helper``'s value); and it keys its on-disk
+    packages by a function's qualified name and first line, which every preparation's entry point
+    (``fresh_entry_point``) shares with the template it is made from. (Loading such a package of a
+    ``torch.func.grad_and_value`` fails on torch 2.13 anyway: "TracingContext.get() must be
+    called within an ongoing trace", from unpickling an ``ImportSource`` guard.)
+    """
+    config = _lazy("_CONFIG")
+    if config is None or not _has_knob(config, "caching_precompile"):
+        return {}
+    return {"caching_precompile": False}
 
 
 # A preparation recompiles only when a guard fails (a static value, a global, the grad mode...).
@@ -788,7 +813,7 @@ class DynamoCache:
         before = self._transformed_codes()
         self.in_flight = frame_locals
         try:
-            with patched_config(dict(settings)), symbolic_as_tensor():
+            with patched_config({**settings, **sound_settings()}), symbolic_as_tensor():
                 result = compiled(*args)
         finally:
             self.in_flight = None

@@ -78,8 +78,15 @@ def _add_batch(tree: Any) -> Any:
 
 
 def _scalar(y: torch.Tensor) -> torch.Tensor:
-    """A one-element output as the 0-d tensor ``torch.func.grad`` requires (the contract allows any shape)."""
-    return y.reshape(())
+    """A one-element output as the 0-d tensor ``torch.func.grad`` requires (the contract allows any shape).
+    A 0-d output is returned as it is: a reshape would add a view to the graph of every
+    transform level (four of them in a PINN step's inner HVP under the training step's grad)."""
+    return y if y.dim() == 0 else y.reshape(())
+
+
+def _shaped(y: torch.Tensor, shape: Any) -> torch.Tensor:
+    """``y`` (the 0-d value of ``_scalar``) back in ``f``'s output shape, without a view when it has it."""
+    return y if y.shape == shape else y.reshape(shape)
 
 
 class FuncEngine:
@@ -138,7 +145,7 @@ class FuncEngine:
 
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             g, (y, aux) = grad_and_value(scalar_and_aux, has_aux=True)(x, contexts)
-            return (y.reshape(y_shape), aux), g
+            return (_shaped(y, y_shape), aux), g
 
         return run
 
@@ -181,7 +188,7 @@ class FuncEngine:
         # a State in place (torch.func refuses in-place writes into captured tensors).
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             g, y = grad_and_value(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
-            return y.reshape(y_shape), g
+            return _shaped(y, y_shape), g
 
         def run_without_value(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             return None, grad(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
@@ -270,7 +277,7 @@ class FuncEngine:
                 hess, (g, y) = jacfwd(gradient_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
-            return y.reshape(y_shape), g, hess
+            return _shaped(y, y_shape), g, hess
 
         return run
 

@@ -45,6 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import tensor_version
 from torchdi.backends import AutoFunc, AutoXLA, xla_device_problem
 from torchdi.engines import _xla_private
 from torchdi.engines._dynamo import (
@@ -253,13 +254,19 @@ class _ModuleReplica:
             t for _, t in module.named_buffers(remove_duplicate=False) if t is not None
         ]
 
-    def _state(self, module: torch.nn.Module) -> list[tuple[int, int]]:
-        return [(id(t), t._version) for t in self._host_tensors(module)]
+    @staticmethod
+    def _versions(tensors: list[torch.Tensor]) -> list[tuple[int, Any]]:
+        # Without the version counter (fence), a fresh object per tensor: every call sees a change
+        # and copies the host values (slower, never stale).
+        return [(id(t), version if (version := tensor_version(t)) is not None else object()) for t in tensors]
+
+    def _state(self, module: torch.nn.Module) -> list[tuple[int, Any]]:
+        return self._versions(self._host_tensors(module))
 
     def refresh(self, module: torch.nn.Module) -> torch.nn.Module:
         """The replica, with the host module's current values and training flags."""
         host = self._host_tensors(module)
-        state = [(id(t), t._version) for t in host]
+        state = self._versions(host)
         if state != self.seen:
             mine = self._host_tensors(self.module)
             if len(mine) != len(host):

@@ -17,13 +17,13 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.composition import evaluates_f_plainly
-from torchdi.contexts import State, bind_contexts, context_kinds, unwrap_contexts
+from torchdi.contexts import Cache, Constant, State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.distributed import refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
 from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.families import FAMILIES
 from torchdi.into_grad import IntoGrad
-from torchdi.operators import _transparent
+from torchdi.operators import _one_shot, _transparent
 from torchdi.operators._aux import AuxRunner, native_aux, split_aux, without_aux
 from torchdi.operators._checks import (
     canonical_x,
@@ -37,6 +37,7 @@ from torchdi.operators._checks import (
 )
 from torchdi.operators._guards import (
     refuse_mutation,
+    restore_rng_states,
     rng_states,
     same_rng_states,
     translation_note,
@@ -54,6 +55,7 @@ from torchdi.runners import (
     TreeMeta,
     build_runner,
     engine_for,
+    implements,
     warm_up,
     zero_runner,
 )
@@ -156,7 +158,7 @@ def _prepare_operator(
     bound = bind_contexts(f, mask)
     engine = engine_for(backend)
     # f sees at preparation what it will see in the engine's program (numpy arrays as tensors...).
-    seen_by_f = engine.contexts_seen_by_f if isinstance(engine, TranslatesContexts) else None
+    seen_by_f = engine.contexts_seen_by_f if implements(engine, TranslatesContexts) else None
     # The first evaluation also tells whether f's output uses x at all (x_unused): x's leaves
     # require grad in it. Where autograd refuses that (f writes into x, calls x.numpy()), f is
     # evaluated again as before, under no_grad, and reports its own error.
@@ -201,6 +203,18 @@ def _prepare_operator(
         del aux
         bound = without_aux(bound, operator)
     check_output(y, row, operator)
+    # A one-shot call under a torch.func transform (a PINN's inner hvp) is prepared at every step:
+    # what this evaluation teaches is kept for the next ones (see _one_shot).
+    learning = (
+        not compiling
+        and _transparent.under_functorch_or_dynamo()
+        and _one_shot.eligible(backend)
+        and not has_aux
+        and "State" not in kinds
+        and runner_factory is None
+        and seen_by_f is None
+    )
+    y_learned = TreeMeta.of(y) if learning else None
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
     # (context tensors are not counted: every call looks at its own contexts)
@@ -249,15 +263,18 @@ def _prepare_operator(
     batched = None if tangents is None else _batch_tangents(tangents)
     # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
     # value_ variant; nothing compiles on a later call. The alternative, a second program without
-    # the value for the plain operator (it lets the compiler drop f's final reduction), would cost
-    # a second compilation at every prepare_gradient, paid even by loops that only call
-    # value_and_gradient. Measured (benchmarks/compile_overhead.py, one thread, prepared gradient
-    # / raw torch.compile(grad(f))): Rosenbrock 1e6 0.78 -> 0.93 (it pays the final reduction),
-    # the two MLPs within noise; still at or below raw on all three.
+    # the value for the plain operator compiled here too (it lets the compiler drop f's final
+    # reduction), costs every prepare_gradient a second compilation, paid even by loops that only
+    # call value_and_gradient. Measured (issue 27, one thread, inductor, cold cache): the second
+    # program takes 4.2 / 4.8 / 4.8 s after the first's 6.7 / 5.9 / 7.9 s (Rosenbrock 1e6, small
+    # MLP, MLP wrt a dict of parameters): +60-80% per cold preparation. What it would save: the
+    # value's reduction, 1.11x on the bandwidth-bound Rosenbrock (prepared gradient / raw
+    # torch.compile(grad(f)), equal to raw grad_and_value / raw grad), nothing measurable on the
+    # MLPs (benchmarks/compile_overhead.py --timer cpu: 0.90x and 1.00x).
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
-    if (spec.x.numel == 0 or spec.y.numel == 0) and not (isinstance(engine, ServesEmpty) and family in engine.builds_empty):
+    if (spec.x.numel == 0 or spec.y.numel == 0) and not (implements(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
         runner = zero_runner(family, bound, spec)
@@ -282,6 +299,8 @@ def _prepare_operator(
     )
     prep.has_aux = has_aux
     prep.f_needs_grad = f_needs_grad
+    if y_learned is not None and spec.x.numel and spec.y.numel:
+        prep.learned = _one_shot.Learned(spec, flattening, y_learned)
     if draws_random:
         prep.recompute_refusal = "f draws random numbers, which an eager recomputation in backward would draw anew"
     elif "State" in kinds:
@@ -292,15 +311,14 @@ def _prepare_operator(
         # Runners for calls under outer transforms, built on the first such call: under torch.func
         # transforms and dynamo, torch.autograd.grad cannot run (the same derivative from
         # torch.func instead); the plain gradient skips its value (torch.func.grad, not grad_and_value).
-        safe_backend = _transparent.functorch_safe(backend)
         plain_spec = replace(spec, needs_value=False) if row.drops_value else spec
 
         def rebuild(variant: str, lean: bool) -> Runner:
             # Under dynamo and torch.func (functorch_safe), context tensors enter forward mode as
             # explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp.
             chosen = plain_spec if lean else spec
-            if variant == _transparent.FUNCTORCH_SAFE:
-                rebuilt = build_runner(safe_backend, family, bound, replace(chosen, inside_forward_mode=True))
+            if variant in (_transparent.FUNCTORCH_SAFE, _transparent.AS_IS):
+                rebuilt = _runner_under_transform(backend, family, bound, chosen, variant)
             elif variant == _transparent.AUTOGRAD:
                 native = _transparent.autograd_native(backend, family, has_aux)
                 rebuilt = build_runner(native if native is not None else backend, family, bound, chosen)
@@ -310,7 +328,7 @@ def _prepare_operator(
                 if seen_by_f is not None:  # f sees the contexts as in the compiled program (numpy as tensors...)
                     rebuilt = _seeing_contexts(rebuilt, seen_by_f)
             else:
-                rebuilt = build_runner(backend, family, bound, chosen)
+                raise ValueError(f"unknown runner variant {variant!r}")
             # The same wrapping as the prepared runner: pytree nesting and aux.
             if flattening is not None:
                 rebuilt = flattening.runner(rebuilt)
@@ -320,6 +338,15 @@ def _prepare_operator(
 
         prep.rebuild = rebuild
     return prep
+
+
+def _runner_under_transform(backend: Backend, family: str, bound: BoundFunction, spec: Spec, variant: str) -> Runner:
+    """The runner of a call under an outer transform for the variant ``AS_IS`` (the backend's own)
+    or ``FUNCTORCH_SAFE`` (torch.func instead of torch.autograd.grad; context tensors enter forward
+    mode as explicit primals: see Spec.inside_forward_mode and FuncEngine._hvp)."""
+    if variant == _transparent.FUNCTORCH_SAFE:
+        return build_runner(_transparent.functorch_safe(backend), family, bound, replace(spec, inside_forward_mode=True))
+    return build_runner(backend, family, bound, spec)
 
 
 def _seeing_contexts(runner: Runner, seen_by_f: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Runner:
@@ -396,16 +423,27 @@ def run_operator(
         with torch.inference_mode(False):  # see prepare_operator
             return run_operator(family, operator, f, backend, x, tangents, contexts, prep, value, detached, has_aux)
     if prep is None:
+        key = None
         if _transparent.under_functorch_or_dynamo():  # refused at once, before anything compiles
             _transparent.refuse_under_outer_transform(backend, family, operator)
+            if not has_aux and _one_shot.eligible(backend):  # (dynamo took the branch above)
+                key, result = _run_learned(family, operator, f, backend, x, tangents, contexts, value)
+                if result is not None:
+                    return result
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
+        if key is not None and prep.learned is not None:
+            _one_shot.remember(f, key, prep.learned)
     else:
         if not isinstance(prep, Prep):
             raise TypeError(f"{operator}: prep must be a torchdi Prep from prepare_{family}, got {type(prep).__name__}")
-        values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        unwrapped = _unwrapped_described(x, tangents, contexts, prep.keep_static) if prep.strict else None
+        if unwrapped is None:
+            values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+        else:
+            values = unwrapped[0]
         if prep.strict:
-            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static)
+            received = _received(x, tangents, values, context_kinds(contexts), prep.keep_static) if unwrapped is None else unwrapped[1]
             if not prep.serves(family, f, backend, received):  # the names only matter for the message
                 prep.check(family, f, backend, received, _argument_names(_tangent_name(family, tangents), len(values)))
         elif prep.operator != family or not (f is prep.f or f == prep.f) or not (backend is prep.backend or backend == prep.backend):
@@ -414,10 +452,15 @@ def run_operator(
             _refuse_aux_mismatch(prep, has_aux, operator)
         if prep.point is not None:  # a same-point preparation: never a stale result, whatever strict says
             prep.point.check(x, values)
-    x = without_inference_tensors(x)
-    values = without_inference_tensors(values)
+    # One look at the leaves for the common case (tensors that neither require grad nor were made
+    # under inference_mode): then there is nothing to copy, and outer autograd sees no context.
+    plain_x, plain_values = _plain(x), _plain(values)
+    if not plain_x:
+        x = without_inference_tensors(x)
+    if not plain_values:
+        values = without_inference_tensors(values)
     attach = None
-    if _transparent.outer_transform_active(x, values, prep.reads_tracked, detached, tangents):
+    if _transparent.outer_transform_active(() if plain_x else x, () if plain_values else values, prep.reads_tracked, detached, tangents):
         if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
             return _run_transparent(family, operator, prep, x, tangents, values, value)
         # torch.autograd alone, on a backend that does not compose: the plain results, whose backward
@@ -428,7 +471,7 @@ def run_operator(
             attach = _through_eager(prep, family, operator, x, tangents, values)
         if attach is None:
             attach = _transparent.backward_refusal(prep.backend, family, operator, (x, tangents), values, prep.recompute_refusal)
-    if prep.keep_static and _transparent.tracked(values):
+    if prep.keep_static and not plain_values and _transparent.tracked(values):
         # A compiled program is prepared for plain contexts (see _built): one that requires grad
         # would fail its guards and recompile.
         values = _detached_values(values)
@@ -445,6 +488,97 @@ def run_operator(
     if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
         result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+def _run_learned(
+    family: str, operator: str, f: Callable[..., Any], backend: Backend, x: Any, tangents: tuple[Any, ...] | None, contexts: Sequence[Any], value: bool
+) -> tuple[Any, tuple[Any, ...] | None]:
+    """A one-shot call under a ``torch.func`` transform from what an earlier one learned about
+    ``f`` (``_one_shot``): ``(key, result)``; ``result`` is ``None`` when nothing was learned for
+    this key (or ``key`` too when the arguments have none: nothing to learn), or when the runner
+    failed. The call then takes the ordinary path, which prepares again (and reports errors as
+    it always does)."""
+    values, mask = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+    kinds = context_kinds(contexts)
+    if "State" in kinds:
+        return None, None
+    x = without_inference_tensors(x)
+    values = without_inference_tensors(values)
+    key = (family, backend, mask, _received(x, tangents, values, kinds, False))
+    learned = _one_shot.learned(f, key)
+    if learned is None:
+        return key, None
+    x_run = canonical_x(x, family, operator, detach=False)
+    bound = _one_shot.checking(bind_contexts(f, mask), learned.y)
+    if learned.flattening is not None:
+        bound = learned.flattening.function(bound)
+    spec = replace(learned.spec, needs_value=False) if not value and FAMILIES[family].drops_value else learned.spec
+    runner = _runner_under_transform(backend, family, bound, spec, _transparent.variant(backend, family, False))
+    if learned.flattening is not None:
+        runner = learned.flattening.runner(runner)
+    batched = None if tangents is None else _batch_tangents(tangents, detach=False)
+    rng_before = rng_states()
+    failed = False
+    # The checks preparation puts around its evaluation of f, around the runner's evaluations. The
+    # data-parallel refusal hooks every module call (its global hook takes modules off their fast
+    # path: ~5% of a PINN's inner HVP): needed only where a DDP or FSDP2 module can run at all,
+    # which takes an initialized process group (the first call's preparation checked f anyway).
+    with refuse_mutation(x, values, kinds, operator), _unless(not _distributed_initialized(), refuse_data_parallel, operator):
+        try:
+            result = runner(x_run, batched, values)
+        except Exception:  # a changed output (StaleOutput), an error of f: prepared again, see above
+            failed = True
+    if not failed:
+        return key, result
+    _one_shot.forget(f, key)
+    restore_rng_states(rng_before)  # the ordinary path draws what this attempt drew
+    return key, None
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+_CONTEXT_KINDS = {Constant: "Constant", Cache: "Cache", State: "State"}
+
+
+def _unwrapped_described(x: Any, tangents: Any, contexts: Sequence[Any], keep_static: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """The context values and the strict check's description of the call (``_received``), in one
+    pass over the contexts; ``None`` when a context is not exactly a ``Constant``, ``Cache`` or
+    ``State`` (``unwrap_contexts`` then names it or unwraps a subclass)."""
+    values = []
+    received = [describe(x, keep_static)] if tangents is None else [describe(x, keep_static), describe(tangents)]
+    for context in contexts:
+        kind = _CONTEXT_KINDS.get(type(context))
+        if kind is None:
+            return None
+        value = context.value
+        values.append(value)
+        received.append((kind, describe(value, keep_static)))
+    return tuple(values), tuple(received)
+
+
+def _plain(tree: Any) -> bool:
+    """Whether ``tree`` is a tensor, a scalar, or a tuple/list/dict of them, with no tensor that
+    requires grad or was made under ``inference_mode`` (``False``: look closer, with
+    ``without_inference_tensors`` and ``_transparent.tracked``)."""
+    kind = type(tree)
+    if kind is torch.Tensor:
+        return not (tree.requires_grad or tree.is_inference())
+    if kind is tuple or kind is list:
+        for item in tree:  # noqa: SIM110  (a loop, not all(...): no generator frame on every call)
+            if not _plain(item):
+                return False
+        return True
+    if kind is dict:
+        for item in tree.values():  # noqa: SIM110
+            if not _plain(item):
+                return False
+        return True
+    return kind in _SCALARS
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def _detached(leaf: Any) -> Any:

@@ -25,11 +25,13 @@ from torch.fx.experimental.const_fold import split_const_subgraphs
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from torchdi._fence import tensor_version
 from torchdi.backends import AutoAutograd, AutoCompile, AutoFunc, Backend
 from torchdi.contexts import Context
 from torchdi.engines._compiled import CompiledRunner
 from torchdi.engines.base import like_primal
 from torchdi.operators._core import prepare_operator
+from torchdi.operators._guards import same_values
 from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.runners import BoundFunction, Runner, Spec, build_runner
 
@@ -116,8 +118,14 @@ class _Point:
         self.contexts = [self._watch(v) for v in values]
 
     @staticmethod
-    def _watch(tree: Any) -> list[tuple[weakref.ref[torch.Tensor], int]]:
-        return [(weakref.ref(t), t._version) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    def _watch(tree: Any) -> list[tuple[weakref.ref[torch.Tensor], int | None, torch.Tensor | None]]:
+        # Without the version counter (fence): a copy of the values, compared on every call.
+        watched = []
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                version = tensor_version(t)
+                watched.append((weakref.ref(t), version, t.detach().clone() if version is None else None))
+        return watched
 
     def check(self, x: Any, values: tuple[Any, ...]) -> None:
         problem = self._compare("x", self.x, x)
@@ -131,16 +139,19 @@ class _Point:
             )
 
     @staticmethod
-    def _compare(name: str, watched: list[tuple[weakref.ref[torch.Tensor], int]], tree: Any) -> str | None:
+    def _compare(name: str, watched: list[tuple[weakref.ref[torch.Tensor], int | None, torch.Tensor | None]], tree: Any) -> str | None:
         tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
         if len(tensors) != len(watched):
             return f"{name} has {len(tensors)} tensors, {len(watched)} at preparation"
-        for i, ((ref, version), t) in enumerate(zip(watched, tensors)):
+        for i, ((ref, version, copy), t) in enumerate(zip(watched, tensors)):
             where = name if len(tensors) == 1 else f"{name} (tensor {i})"
             if ref() is not t:
                 return f"{where} is another tensor than at preparation"
-            if t._version != version:
-                return f"{where} was modified in place since preparation (version {version} -> {t._version})"
+            if copy is not None:
+                if not same_values(t, copy):
+                    return f"{where} was modified in place since preparation (its values changed)"
+            elif (now := tensor_version(t)) != version:
+                return f"{where} was modified in place since preparation (version {version} -> {now})"
         return None
 
 

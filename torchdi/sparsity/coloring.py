@@ -79,10 +79,9 @@ class GreedyColoring:
             ``"random"`` (a permutation drawn from ``seed``), or a tuple of these: each is tried
             and the colouring with the fewest colours (passes) wins, the first on ties.
         seed: the seed of the ``"random"`` order.
-        postprocessing: after a star colouring, drop the colours that no entry is read from
-            (neutral colours: those vertices join no seed). Fewer passes when the pattern has
-            no full diagonal; bidirectional colouring always does it. Not with
-            ``decompression="substitution"`` (a ``ValueError``).
+        postprocessing: after a star or acyclic colouring, drop the colours that no entry
+            needs (neutral colours: those vertices join no seed). Fewer passes when the
+            pattern has no full diagonal; bidirectional colouring always does it.
         decompression: ``"direct"`` (star colouring, every hessian entry read from one HVP) or
             ``"substitution"`` (acyclic colouring, never more colours than star; entries solved
             along two-coloured trees, with the rounding of a few additions). One-sided jacobian
@@ -117,16 +116,6 @@ class GreedyColoring:
         if self.decompression not in ("direct", "substitution"):
             raise ValueError(
                 f"GreedyColoring: decompression must be 'direct' or 'substitution', got {self.decompression!r}"
-            )
-        if self.postprocessing and self.decompression == "substitution":
-            # Neutral colours of an acyclic colouring would have to keep every two-coloured
-            # structure a forest that substitution can solve: not implemented, so refused rather
-            # than silently ignored.
-            raise ValueError(
-                "GreedyColoring: postprocessing=True works with decompression='direct' (star colouring, and "
-                "bidirectional colouring for MixedMode); acyclic colouring (decompression='substitution') is not "
-                "post-processed. Pass one of them: GreedyColoring(postprocessing=True) or "
-                "GreedyColoring(decompression='substitution')"
             )
 
     @property
@@ -296,7 +285,18 @@ def column_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
     conflict graph (``rows x row length^2`` pairs): each row keeps the set of colours already used
     in it as the bits of a Python int, so colouring a column costs two passes over its own rows.
     Only the degree-based orders build the graph.
+
+    Computed once per pattern object and colouring (a copy is returned): the numerical check of
+    a traced pattern colours it as a preparation with the default colouring does.
     """
+    memo: dict[GreedyColoring, np.ndarray] = pattern.__dict__.setdefault("_column_colorings", {})
+    found = memo.get(coloring)
+    if found is None:
+        found = memo[coloring] = _column_coloring(pattern, coloring)
+    return found.copy()
+
+
+def _column_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarray:
     banded = _banded_columns(pattern)
     if banded is not None:
         return banded
@@ -350,11 +350,13 @@ def symmetric_coloring(pattern: IndexSets, coloring: GreedyColoring) -> np.ndarr
     one has fewer colours (every star colouring is acyclic)."""
     if coloring.decompression == "substitution":
         star = star_coloring(pattern, coloring)
+        # Near-dense (above _ACYCLIC_WORK): every star colouring is acyclic, and the tree sweep would cost n^3.
         degree = pattern.row_lengths.astype(np.float64)
-        if float((degree**2).sum()) > _ACYCLIC_WORK:
-            return star  # near-dense: every star colouring is acyclic, and the tree sweep would cost n^3
-        acyclic = acyclic_coloring(pattern, coloring)
-        return star if star.max(initial=-1) < acyclic.max(initial=-1) else acyclic
+        colors = star
+        if float((degree**2).sum()) <= _ACYCLIC_WORK:
+            acyclic = acyclic_coloring(pattern, coloring)
+            colors = star if star.max(initial=-1) < acyclic.max(initial=-1) else acyclic
+        return postprocess_acyclic(pattern, colors) if coloring.postprocessing else colors
     colors = star_coloring(pattern, coloring)
     if coloring.postprocessing:
         colors = postprocess_symmetric(pattern, colors)
@@ -594,6 +596,37 @@ def postprocess_symmetric(pattern: IndexSets, colors: np.ndarray) -> np.ndarray:
     diagonal = pattern.row_ids()[pattern.row_ids() == pattern.indices]
     keep = _keep_units(graph, colors, colors[diagonal], colors)
     return _renumber(np.where(keep[colors], colors, -1))
+
+
+def postprocess_acyclic(pattern: IndexSets, colors: np.ndarray) -> np.ndarray:
+    """An acyclic colouring with colours substitution does not need set to ``-1`` (neutral: in no
+    HVP) and the others renumbered ``0..k-1``.
+
+    A colour ``c`` can go when no vertex of colour ``c`` has a diagonal entry, every vertex of
+    colour ``c`` has at most one neighbour of each other colour (it is then a leaf of every
+    two-coloured tree, rooted at its neighbour, and its entries are read directly from that
+    neighbour's HVP), and no neighbouring colour has gone already (an entry between two neutral
+    vertices would be in no HVP). Colours are tried from the largest to the smallest.
+    """
+    ncolors = int(colors.max(initial=-1)) + 1
+    if ncolors == 0:
+        return colors
+    graph = adjacency(pattern)
+    n = graph.nrows
+    rows, cols = graph.row_ids(), graph.indices
+    diagonal = pattern.row_ids()[pattern.row_ids() == pattern.indices]
+    blocked = np.zeros(ncolors, dtype=bool)
+    blocked[colors[diagonal]] = True
+    neighbours_per_colour = np.bincount(rows * ncolors + colors[cols], minlength=n * ncolors).reshape(n, ncolors)
+    blocked[colors[(neighbours_per_colour > 1).any(axis=1)]] = True
+    touching = np.zeros((ncolors, ncolors), dtype=bool)
+    touching[colors[rows], colors[cols]] = True
+    neutral = np.zeros(ncolors, dtype=bool)
+    sizes = np.bincount(colors, minlength=ncolors)
+    for c in np.argsort(-sizes, kind="stable"):
+        if not blocked[c] and not (touching[c] & neutral).any():
+            neutral[c] = True
+    return _renumber(np.where(neutral[colors], -1, colors))
 
 
 def _renumber(colors: np.ndarray) -> np.ndarray:

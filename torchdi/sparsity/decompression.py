@@ -115,15 +115,19 @@ def substitution_recovery(pattern: IndexSets, colors: np.ndarray) -> Recovery:
     """Recovery of the symmetric ``pattern`` from the HVPs ``(ncolors, n)`` of an acyclic colouring:
     diagonal entries directly, the others by substitution along the two-coloured trees."""
     n = pattern.nrows
-    ncolors = max(int(colors.max(initial=-1)) + 1, 1)
+    # Neutral vertices (-1, post-processing) are colour 0 here: shifted colours, pairs among k + 1.
+    shifted = colors + 1
+    ncolors = max(int(shifted.max(initial=0)) + 1, 1)
     prow, pcol = pattern.row_ids(), pattern.indices
     on_diagonal = prow == pcol
     graph = adjacency(pattern)
     rows, cols = graph.row_ids(), graph.indices
-    if np.any(colors[rows] == colors[cols]) or np.any(colors < 0):
+    if np.any(colors[rows] == colors[cols]):  # two neutral neighbours included: that entry is in no HVP
         raise ValueError("substitution_recovery: the colouring is not proper")
+    if np.any(colors[prow[on_diagonal]] < 0):
+        raise ValueError("substitution_recovery: a diagonal entry of a vertex in no seed")
     # One node per (colour pair, vertex): the forest of each pair of colours, as one graph.
-    low, high = np.minimum(colors[rows], colors[cols]), np.maximum(colors[rows], colors[cols])
+    low, high = np.minimum(shifted[rows], shifted[cols]), np.maximum(shifted[rows], shifted[cols])
     pair = low * ncolors + high
     key = pair * n + rows
     order = np.lexsort((cols, key))
@@ -137,7 +141,8 @@ def substitution_recovery(pattern: IndexSets, colors: np.ndarray) -> Recovery:
     parent = [-1] * count
     depth = [0] * count
     preorder: list[int] = []  # non-root nodes, each subtree contiguous
-    for root in range(count):
+    # Roots of seeded vertices first: a neutral vertex must be a leaf (its colour has no HVP).
+    for root in np.argsort(colors[nodes % n] < 0, kind="stable").tolist():
         if visited[root]:
             continue
         visited[root] = 1
@@ -163,6 +168,8 @@ def substitution_recovery(pattern: IndexSets, colors: np.ndarray) -> Recovery:
     parent_np = np.array(parent, dtype=np.int64)[pre]
     sign = np.where(np.array(depth, dtype=np.int64)[pre] % 2 == 0, 1.0, -1.0)
     v, p = vertex_np[pre], vertex_np[parent_np]
+    if np.any(colors[p] < 0):
+        raise ValueError("substitution_recovery: a vertex in no seed is not a leaf of its two-coloured trees")
     terms = colors[p] * n + v  # HVP of the parent's colour, at row v
     starts = np.arange(pre.size, dtype=np.int64)
     stops = starts + np.array(size, dtype=np.int64)[pre]

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -46,9 +47,31 @@ class IndexSets:
     def nnz(self) -> int:
         return int(self.indptr[-1])
 
-    @property
+    @cached_property
     def row_lengths(self) -> np.ndarray:
-        return np.diff(self.indptr)
+        return self.indptr[1:] - self.indptr[:-1]
+
+    @cached_property
+    def width(self) -> int:
+        """The length every row has, or ``-1`` when the lengths differ. Uniform sets (an identity,
+        its slices, a stencil's interior) take the fast paths of ``take`` and ``union``: rows as
+        one ``(nrows, width)`` block, no per-entry offsets."""
+        nrows = self.nrows
+        if nrows == 0 or self.nnz == 0:
+            return 0
+        width, rest = divmod(self.nnz, nrows)
+        if rest or not np.array_equal(self.indptr, np.arange(0, (nrows + 1) * width, width, dtype=np.int64)):
+            return -1
+        return width
+
+    @staticmethod
+    def uniform(block: np.ndarray, ncols: int) -> IndexSets:
+        """The sets whose row ``i`` is ``block[i]`` (a ``(nrows, width)`` array of sorted, distinct indices per row)."""
+        nrows, width = block.shape
+        sets = IndexSets(np.arange(0, (nrows + 1) * width, width, dtype=np.int64) if width else np.zeros(nrows + 1, dtype=np.int64),
+                         block.reshape(-1), ncols)
+        sets.__dict__["width"] = width  # known: what the cached property would compute
+        return sets
 
     @staticmethod
     def empty(nrows: int, ncols: int) -> IndexSets:
@@ -56,7 +79,7 @@ class IndexSets:
 
     @staticmethod
     def identity(n: int) -> IndexSets:
-        return IndexSets(np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64), n)
+        return IndexSets.uniform(np.arange(n, dtype=np.int64).reshape(n, 1), n)
 
     @staticmethod
     def full(nrows: int, ncols: int) -> IndexSets:
@@ -94,6 +117,9 @@ class IndexSets:
     def take(self, rows: np.ndarray) -> IndexSets:
         """Row ``i`` of the result is row ``rows[i]`` of ``self`` (the empty set where ``rows[i] < 0``)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        width = self.width
+        if width > 0 and rows.size and rows.min() >= 0:  # one gather of whole rows
+            return IndexSets.uniform(self.indices.reshape(-1, width)[rows], self.ncols)
         valid = rows >= 0
         safe = np.where(valid, rows, 0)
         lengths = np.where(valid, self.indptr[safe + 1] - self.indptr[safe], 0)
@@ -120,6 +146,18 @@ class IndexSets:
         nonempty = [p for p in parts if p.nnz]
         if len(nonempty) <= 1:
             return nonempty[0] if nonempty else parts[0]
+        widths = [p.width for p in nonempty]
+        if min(widths) > 0:  # uniform parts: sort each row of their side-by-side blocks, drop repeats
+            block = np.concatenate([p.indices.reshape(-1, w) for p, w in zip(nonempty, widths)], axis=1)
+            block.sort(axis=1)
+            distinct = np.empty(block.shape, dtype=bool)
+            distinct[:, 0] = True
+            np.not_equal(block[:, 1:], block[:, :-1], out=distinct[:, 1:])
+            if distinct.all():
+                return IndexSets.uniform(block, parts[0].ncols)
+            indptr = np.zeros(block.shape[0] + 1, dtype=np.int64)
+            np.cumsum(distinct.sum(axis=1), out=indptr[1:])
+            return IndexSets(indptr, block[distinct], parts[0].ncols)
         rows = np.concatenate([p.row_ids() for p in nonempty])
         cols = np.concatenate([p.indices for p in nonempty])
         return IndexSets.from_pairs(rows, cols, parts[0].nrows, parts[0].ncols)
@@ -133,7 +171,11 @@ class IndexSets:
         return IndexSets(indptr, np.concatenate([p.indices for p in parts]), parts[0].ncols)
 
     def transpose(self) -> IndexSets:
-        return IndexSets.from_pairs(self.indices, self.row_ids(), self.ncols, self.nrows)
+        """The sets of the transposed matrix (computed once per object: sets are never changed in place)."""
+        cached = self.__dict__.get("_transposed")
+        if cached is None:
+            cached = self.__dict__["_transposed"] = IndexSets.from_pairs(self.indices, self.row_ids(), self.ncols, self.nrows)
+        return cached
 
     def to_dense(self) -> np.ndarray:
         dense = np.zeros((self.nrows, self.ncols), dtype=bool)

@@ -1,8 +1,9 @@
 """``TracerSparsity``: a global, conservative sparsity pattern from ``f``'s aten graph.
 
-``f`` is run once (functionalized: in-place writes become ``*_scatter`` ops; views stay views,
-because removing them loses the storage offsets that autograd's backward of a write into a slice
-reads through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
+``f`` is run once (an ``f`` that writes into a tensor: stopped at its first write and run again
+functionalized, where in-place writes become ``*_scatter`` ops; views stay views, because
+removing them loses the storage offsets that autograd's backward of a write into a slice reads
+through ``as_strided``) under a dispatch mode that sees each aten op as it runs and
 interprets it on *index sets*: for every element of every tensor, the set of flat input indices
 it may depend on. The
 pattern holds for every value of ``x`` (global): no rule looks at values of ``x`` or of
@@ -114,13 +115,20 @@ def trace_sparsity(
             tensors = [(leaves[i] if isinstance(leaves[i], torch.Tensor) else converted[i]).detach().clone() for i in slots]
             # Traced with the raw float/numpy values (f used them as Python numbers: torch.full(shape, c),
             # numpy methods): any tensor f creates may hold them, so none is read.
-            interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
             try:
                 with warnings.catch_warnings():
                     # f written for a float receives a tensor: torch.tensor(c) then warns about copying.
                     warnings.filterwarnings("ignore", message="To copy construct from a tensor")
-                    traceable = functionalize(_traceable(f, leaves, spec, slots, hessian), remove="mutations")
-                    return interpreter.run(traceable, x, tensors)
+                    traceable = _traceable(f, leaves, spec, slots, hessian)
+                    # First as f is: functionalizing costs a fifth of a small trace. At f's first
+                    # write (before it runs, so x and the copies are intact) the run stops and f
+                    # is traced again functionalized, where writes become *_scatter ops.
+                    try:
+                        return _Interpreter(x.numel(), read_created=as_tensors, varying=varying, stop_at_writes=True).run(traceable, x, tensors)
+                    except _Writes:
+                        pass
+                    interpreter = _Interpreter(x.numel(), read_created=as_tensors, varying=varying)
+                    return interpreter.run(functionalize(traceable, remove="mutations"), x, tensors)
             except Exception as failure:
                 error = error or failure
                 continue
@@ -152,6 +160,10 @@ def _traceable(
         return torch.func.grad(lambda z: call(z, *tensors).sum())(x_)
 
     return gradient
+
+
+class _Writes(BaseException):  # a signal, not an error: f's own `except Exception` lets it through
+    """Raised at f's first op that writes into a tensor, in a run that is not functionalized."""
 
 
 class _Store:
@@ -235,7 +247,13 @@ def _map(fn: Callable[[Any], Any], obj: Any) -> Any:
 
 
 def _refs_in(refs: Any) -> list[_Ref]:
-    return [r for r in _leaves(refs) if isinstance(r, _Ref)]
+    found: list[_Ref] = []
+    for item in refs.values() if isinstance(refs, dict) else refs:
+        if isinstance(item, _Ref):
+            found.append(item)
+        elif isinstance(item, (list, tuple, dict)):
+            found += _refs_in(item)
+    return found
 
 
 def _remember(value: Any, refs: Any) -> None:
@@ -273,6 +291,32 @@ def _storage_positions(store: _Store, view_of: torch.Tensor, size: Any, stride: 
 
 
 _SCALAR_ARGUMENTS: dict[Any, dict[str, bool]] = {}
+_OP_INFO: dict[Any, tuple[str, str, bool, bool, bool] | None] = {}
+
+
+def _op_info(target: Any) -> tuple[str, str, bool, bool, bool] | None:
+    """An aten op's packet name, kind (``"write"``: it writes its first argument, ``"view"``:
+    its result aliases an input, else ``"functional"``), whether it is tagged pointwise and
+    nondeterministic_seeded, and whether it writes into any argument (in place or ``out=``);
+    ``None`` when ``target`` is not an aten operator. Cached per op: reading schemas and tags
+    costs more than most rules."""
+    schema = op_schema(target)  # first, every time: the fence's fallback (no schemas) is never cached over
+    if schema is None:
+        return None
+    found = _OP_INFO.get(target)
+    if found is not None:
+        return found
+    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        kind = "write"
+    elif schema.returns and schema.returns[0].alias_info is not None:
+        kind = "view"
+    else:
+        kind = "functional"
+    tags = cast(Any, target).tags
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    info = (cast(Any, target).overloadpacket.__name__, kind, torch.Tag.pointwise in tags, torch.Tag.nondeterministic_seeded in tags, writes)
+    _OP_INFO[target] = info
+    return info
 
 
 def _scalar_arguments(target: Any) -> dict[str, bool]:
@@ -305,8 +349,10 @@ class _Interpreter:
     functions, and the graph was then run a second time to get the values the rules read.
     """
 
-    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None) -> None:
+    def __init__(self, n: int, read_created: bool = True, varying: set[int] | None = None, stop_at_writes: bool = False) -> None:
         self.n = n
+        # True: f runs as it is (not functionalized), and its first write raises _Writes.
+        self.stop_at_writes = stop_at_writes
         self.fallbacks: list[str] = []
         # False: the values of tensors f creates or closes over are not read (they may hold a
         # context's value); ``varying``: storages of such tensors (a module context's parameters).
@@ -355,6 +401,11 @@ class _Interpreter:
 
     def register(self, value: Any, refs: Any) -> None:
         """Remember the refs of every tensor of an op's result (and the real tensor of new stores)."""
+        if isinstance(value, torch.Tensor) and isinstance(refs, _Ref):  # most ops: one tensor
+            if refs.positions is None and refs.store.value is None:
+                refs.store.value = value
+            self.known[id(value)] = (value, refs)
+            return
         _remember(value, refs)
         for v, r in zip(_leaves(value), _leaves(refs)):
             if isinstance(v, torch.Tensor) and isinstance(r, _Ref):
@@ -374,28 +425,39 @@ class _Interpreter:
         self.register(tensor, ref)
         return ref
 
-    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
-        def ref(a: Any) -> Any:
-            return self.ref_of(a) if isinstance(a, torch.Tensor) else a
+    def ref_args(self, args: Any) -> Any:
+        """``args`` with each tensor replaced by its refs (lists and tuples walked; the common flat
+        case without the generic ``_map``: this runs for every op)."""
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                out.append(self.ref_of(a))
+            elif isinstance(a, (list, tuple)):
+                out.append(_map(lambda b: self.ref_of(b) if isinstance(b, torch.Tensor) else b, a))
+            else:
+                out.append(a)
+        return out
 
-        refs = (_map(ref, positional), {k: _map(ref, v) for k, v in keywords.items()})
+    def call(self, target: Any, positional: Any, keywords: dict[str, Any]) -> Any:
+        info = _op_info(target)
+        if self.stop_at_writes and (info is None or info[4]):  # a write, or an op whose writes are unknown
+            raise _Writes
+        refs = (tuple(self.ref_args(positional)), dict(zip(keywords, self.ref_args(keywords.values()))))
         value = target(*positional, **keywords)
-        if any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
+        if not isinstance(value, torch.Tensor) and any(isinstance(v, (bool, int, float, complex)) for v in _leaves(value)) and not self.fixed_inputs(refs):
             # A Python number read from x or a context (.item(), if on a tensor): what f does next
             # depends on the value, so no pattern from this one run holds for every x.
             raise RuntimeError(
                 f"f reads a value computed from x or a context ({target}): data-dependent Python control flow"
             )
         args = (tuple(positional), keywords)
-        refs = (tuple(refs[0]), refs[1])
-        schema = op_schema(target)
-        if schema is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
+        if info is None:  # not an aten operator (or a torch whose operators torchdi cannot read)
             self.register(value, self.fallback(str(target), value, refs, fixed=False))
             return value
-        name = cast(Any, target).overloadpacket.__name__
-        if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        name, kind = info[:2]
+        if kind == "write":
             result = self.write(target, name, value, args, refs)
-        elif schema.returns and schema.returns[0].alias_info is not None:
+        elif kind == "view":
             result = self.view(target, value, args, refs)
         else:
             result = self.functional(target, name, value, args, refs)
@@ -470,12 +532,14 @@ class _Interpreter:
 
     # -- out-of-place ops ----------------------------------------------------------------------------
     def functional(self, target: Any, name: str, value: Any, args: Any, refs: Any) -> Any:
-        fixed = self.read_created and self.fixed_inputs(refs) and name not in _ARBITRARY_VALUES
-        if torch.Tag.nondeterministic_seeded in target.tags:
-            fixed = False
+        info = _op_info(target)
+        pointwise, nondeterministic = (False, False) if info is None else info[2:4]
         inputs = _refs_in(refs)
-        outputs = _leaves(value)
-        float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in outputs)
+        fixed = self.read_created and all(r.fixed for r in inputs) and name not in _ARBITRARY_VALUES and not nondeterministic
+        if isinstance(value, torch.Tensor):
+            float_out = value.is_floating_point() or value.is_complex()
+        else:
+            float_out = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in _leaves(value))
         if not float_out or name in _ZERO_DERIVATIVE or all(r.store.sets.nnz == 0 for r in inputs):
             return _map(lambda v: _Ref(_Store(self.empty(v.numel()), fixed)) if isinstance(v, torch.Tensor) else None, value)
         (positional, keywords) = args
@@ -502,7 +566,7 @@ class _Interpreter:
                 return _map(lambda s: _Ref(_Store(s, fixed)), sets)
         elif name == "mul" and len(positional) == 2:
             return _Ref(_Store(self.pointwise(value.shape, positional, ref_pos, masks=True), fixed))
-        elif torch.Tag.pointwise in target.tags and isinstance(value, torch.Tensor):
+        elif pointwise and isinstance(value, torch.Tensor):
             return _Ref(_Store(self.pointwise(value.shape, positional + tuple(keywords.values()), ref_pos + tuple(ref_kw.values())), fixed))
         elif name in _REDUCTIONS:
             sets = self.reduction(target, value, positional, keywords, ref_pos)
