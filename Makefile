@@ -46,8 +46,11 @@ test-main: test-main-scenarios test-main-rest
 test-main-scenarios: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q tests/test_compile.py -m scenarios
 
+# Two pytest-xdist workers, a test file each at a time (module-scoped preparations stay shared):
+# this part is the longest, and alone on one core once the shorter parts end it left CI's second
+# core idle for its last third.
 test-main-rest: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q tests torchdi --doctest-modules --ignore=tests/xla -m "not scenarios"
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests torchdi --doctest-modules --ignore=tests/xla -m "not scenarios"
 
 $(XLA_VENV)/.dependencies: Makefile
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
