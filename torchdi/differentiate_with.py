@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi._fence import tensor_version
 from torchdi.backends import Backend, require_available
 from torchdi.contexts import Constant, Context, State, bind_contexts, context_kinds, unwrap_contexts
 from torchdi.engines._dynamo import (
@@ -60,7 +59,7 @@ from torchdi.operators import (
     pushforward,
 )
 from torchdi.operators._checks import check_backend
-from torchdi.operators._guards import same_values
+from torchdi.operators._guards import snapshot, written_since
 from torchdi.prep import Prep, describe, describe_contexts
 from torchdi.runners import engine_for
 
@@ -546,16 +545,10 @@ def _evaluate(layout: _Layout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
     """``f``'s output leaves, without a graph; records ``y``'s structure in ``layout``."""
     bound = bind_contexts(layout.owner.f, layout.mask)
     watched = _read_only(layout, tensors)
-    versions = [tensor_version(t) for _, t in watched]
-    # Without the version counter (fence): copies, compared after the evaluation.
-    copies = [t.detach().clone() if version is None else None for (_, t), version in zip(watched, versions)]
+    taken = [snapshot(t) for _, t in watched]
     with torch.no_grad():
         y = bound(layout.x(tensors), layout.values(tensors))
-    written = [
-        name
-        for (name, t), version, copy in zip(watched, versions, copies)
-        if (not same_values(t, copy) if copy is not None else tensor_version(t) != version)
-    ]
+    written = [name for (name, t), before in zip(watched, taken) if written_since(t, before)]
     if written:
         raise ValueError(
             f"DifferentiateWith: f wrote in place into {', '.join(written)}. x and Constants must not "

@@ -79,7 +79,7 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
     """
     if op not in ("mean", "sum"):
         raise ValueError(f'all_reduce_: op must be "mean" or "sum", got {op!r}')
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if not process_group_initialized():
         raise RuntimeError(
             "all_reduce_: torch.distributed is not initialized; call torch.distributed.init_process_group "
             "(e.g. under python -m torch.distributed.run) first"
@@ -140,9 +140,14 @@ def _buckets(leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [bucket for buckets in groups.values() for bucket in buckets if bucket]
 
 
+def process_group_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and a default process group is initialized."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def require_process_group(who: str, group: Any = None) -> None:
     """Raise ``RuntimeError`` naming ``init_process_group`` when ``torch.distributed`` is not set up."""
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if not process_group_initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group "
             "(e.g. under python -m torch.distributed.run) in every process first"

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoSparse, Backend, require_available
 from torchdi.composition import evaluates_f_plainly
 from torchdi.contexts import Cache, Constant, State, bind_contexts, context_kinds, unwrap_contexts
-from torchdi.distributed import refuse_data_parallel
+from torchdi.distributed import process_group_initialized, refuse_data_parallel
 from torchdi.engines._dynamo import set_grad_enabled
 from torchdi.errors import UnsupportedOperatorError, user_stacklevel
 from torchdi.families import FAMILIES
@@ -523,7 +523,7 @@ def _run_learned(
     # data-parallel refusal hooks every module call (its global hook takes modules off their fast
     # path: ~5% of a PINN's inner HVP): needed only where a DDP or FSDP2 module can run at all,
     # which takes an initialized process group (the first call's preparation checked f anyway).
-    with refuse_mutation(x, values, kinds, operator), _unless(not _distributed_initialized(), refuse_data_parallel, operator):
+    with refuse_mutation(x, values, kinds, operator), _unless(not process_group_initialized(), refuse_data_parallel, operator):
         try:
             result = runner(x_run, batched, values)
         except Exception:  # a changed output (StaleOutput), an error of f: prepared again, see above
@@ -535,10 +535,6 @@ def _run_learned(
     return key, None
 
 
-def _distributed_initialized() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 _CONTEXT_KINDS = {Constant: "Constant", Cache: "Cache", State: "State"}
 
 
@@ -546,16 +542,14 @@ def _unwrapped_described(x: Any, tangents: Any, contexts: Sequence[Any], keep_st
     """The context values and the strict check's description of the call (``_received``), in one
     pass over the contexts; ``None`` when a context is not exactly a ``Constant``, ``Cache`` or
     ``State`` (``unwrap_contexts`` then names it or unwraps a subclass)."""
-    values = []
-    received = [describe(x, keep_static)] if tangents is None else [describe(x, keep_static), describe(tangents)]
+    values, kinds = [], []
     for context in contexts:
         kind = _CONTEXT_KINDS.get(type(context))
         if kind is None:
             return None
-        value = context.value
-        values.append(value)
-        received.append((kind, describe(value, keep_static)))
-    return tuple(values), tuple(received)
+        values.append(context.value)
+        kinds.append(kind)
+    return tuple(values), _received(x, tangents, tuple(values), tuple(kinds), keep_static)
 
 
 def _plain(tree: Any) -> bool:

@@ -24,10 +24,12 @@ __all__ = [
     "rng_states",
     "same_rng_states",
     "same_values",
+    "snapshot",
     "tensor_leaves",
     "translation_note",
     "without_inference_tensors",
     "without_side_effects",
+    "written_since",
 ]
 
 
@@ -110,6 +112,19 @@ def same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
     if before_plain is None:  # a torch that cannot unwrap (fence): the version counter decides
         return True
     return _same_plain_values(now, unwrapped(now), before_plain)
+
+
+def snapshot(tensor: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
+    """What ``written_since`` compares ``tensor`` with later: its version counter, or a copy of its
+    values where this torch does not expose the counter (``_fence.tensor_version``)."""
+    version = tensor_version(tensor)
+    return version, (tensor.detach().clone() if version is None else None)
+
+
+def written_since(tensor: torch.Tensor, taken: tuple[int | None, torch.Tensor | None]) -> bool:
+    """Whether ``tensor`` was written in place since ``snapshot`` took ``taken``."""
+    version, copy = taken
+    return not same_values(tensor, copy) if copy is not None else tensor_version(tensor) != version
 
 
 def _path_in(where: Any, t: torch.Tensor) -> str:

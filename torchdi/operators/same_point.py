@@ -31,7 +31,7 @@ from torchdi.contexts import Context
 from torchdi.engines._compiled import CompiledRunner
 from torchdi.engines.base import like_primal
 from torchdi.operators._core import prepare_operator
-from torchdi.operators._guards import same_values
+from torchdi.operators._guards import snapshot, written_since
 from torchdi.prep import Prep, PreparationMismatchError
 from torchdi.runners import BoundFunction, Runner, Spec, build_runner
 
@@ -118,14 +118,9 @@ class _Point:
         self.contexts = [self._watch(v) for v in values]
 
     @staticmethod
-    def _watch(tree: Any) -> list[tuple[weakref.ref[torch.Tensor], int | None, torch.Tensor | None]]:
-        # Without the version counter (fence): a copy of the values, compared on every call.
-        watched = []
-        for t in pytree.tree_leaves(tree):
-            if isinstance(t, torch.Tensor):
-                version = tensor_version(t)
-                watched.append((weakref.ref(t), version, t.detach().clone() if version is None else None))
-        return watched
+    def _watch(tree: Any) -> list[tuple[weakref.ref[torch.Tensor], tuple[int | None, torch.Tensor | None]]]:
+        # (without the version counter, fence: a copy of the values, compared on every call)
+        return [(weakref.ref(t), snapshot(t)) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
     def check(self, x: Any, values: tuple[Any, ...]) -> None:
         problem = self._compare("x", self.x, x)
@@ -139,19 +134,18 @@ class _Point:
             )
 
     @staticmethod
-    def _compare(name: str, watched: list[tuple[weakref.ref[torch.Tensor], int | None, torch.Tensor | None]], tree: Any) -> str | None:
+    def _compare(name: str, watched: list[tuple[weakref.ref[torch.Tensor], tuple[int | None, torch.Tensor | None]]], tree: Any) -> str | None:
         tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
         if len(tensors) != len(watched):
             return f"{name} has {len(tensors)} tensors, {len(watched)} at preparation"
-        for i, ((ref, version, copy), t) in enumerate(zip(watched, tensors)):
+        for i, ((ref, taken), t) in enumerate(zip(watched, tensors)):
             where = name if len(tensors) == 1 else f"{name} (tensor {i})"
             if ref() is not t:
                 return f"{where} is another tensor than at preparation"
-            if copy is not None:
-                if not same_values(t, copy):
-                    return f"{where} was modified in place since preparation (its values changed)"
-            elif (now := tensor_version(t)) != version:
-                return f"{where} was modified in place since preparation (version {version} -> {now})"
+            if written_since(t, taken):
+                version = taken[0]
+                change = "its values changed" if version is None else f"version {version} -> {tensor_version(t)}"
+                return f"{where} was modified in place since preparation ({change})"
         return None
 
 
