@@ -88,8 +88,16 @@ test-oldest: $(XLA_VENV)/.installed
 
 # The CUDA tests (every backend, mode="reduce-overhead" CUDA graphs, State, sparse) in the
 # environment whose torch is a CUDA build; without a device they skip, saying so.
+# `make test-gpu GPU_PYTHON=python3` runs them with an interpreter whose torch already has CUDA
+# (a GPU machine's own, where no registry can be reached), this checkout on its path.
+GPU_PYTHON ?=
+ifeq ($(GPU_PYTHON),)
 test-gpu: $(NEXT_VENV)/.installed
 	$(NEXT_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests -m cuda
+else
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider tests -m cuda
+endif
 
 # The parts at once (separate processes; the suites in separate environments): each suite is
 # mostly one busy core. Each part's output is printed whole when it ends.

@@ -13,8 +13,9 @@ turn, in every order in turn, after one untimed call), medians over repeats:
 Scenarios: (a) Rosenbrock with 1e6 float32 entries, (b) a small MLP loss (32 -> 64 -> 1) with
 respect to its input, (c) an MLP loss with respect to a dict of parameters.
 
-Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor] [--threads 1] [--scenarios abc]`` or
-``python -m torchdi bench --suite compile-overhead``.
+Run: ``python benchmarks/compile_overhead.py [--repeats N] [--compiler inductor] [--threads 1] [--scenarios abc]
+[--device cuda] [--mode reduce-overhead]`` or ``python -m torchdi bench --suite compile-overhead``. On a CUDA
+device every timed call ends with ``torch.cuda.synchronize()`` (the time of the work, not of its launch).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def mlp_params_loss(params: dict[str, torch.Tensor], inputs: torch.Tensor, targe
     return ((out - targets) ** 2).mean()
 
 
-def cases() -> list[Case]:
+def cases(device: str = "cpu") -> list[Case]:
     g = torch.Generator().manual_seed(0)
     w1, b1, w2 = torch.randn(64, 32, generator=g), torch.randn(64, generator=g), torch.randn(1, 64, generator=g)
     params = {
@@ -94,10 +95,14 @@ def cases() -> list[Case]:
 
     x_rosen = torch.rand(1_000_000, generator=g)
     x_mlp = torch.randn(32, generator=g)
+    if device != "cpu":  # the same values on the device; JAX (a CPU contender here) is left out there
+        w1, b1, w2, x_rosen, x_mlp, inputs, targets = (t.to(device) for t in (w1, b1, w2, x_rosen, x_mlp, inputs, targets))
+        params = {name: t.to(device) for name, t in params.items()}
+    on_cpu = device == "cpu"
     return [
-        Case("rosenbrock 1e6 (a)", rosenbrock, x_rosen, (), jax_rosenbrock),
-        Case("mlp 32-64-1 wrt input (b)", mlp_input_loss, x_mlp, (w1, b1, w2), jax_mlp_input),
-        Case("mlp wrt dict of params (c)", mlp_params_loss, params, (inputs, targets), jax_mlp_params),
+        Case("rosenbrock 1e6 (a)", rosenbrock, x_rosen, (), jax_rosenbrock if on_cpu else None),
+        Case("mlp 32-64-1 wrt input (b)", mlp_input_loss, x_mlp, (w1, b1, w2), jax_mlp_input if on_cpu else None),
+        Case("mlp wrt dict of params (c)", mlp_params_loss, params, (inputs, targets), jax_mlp_params if on_cpu else None),
     ]
 
 
@@ -138,25 +143,29 @@ def run(
     progress: Callable[[str], None] | None = None,
     scenarios: str = "abc",
     timer: Callable[[], float] = time.perf_counter,
+    device: str = "cpu",
+    mode: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure every case (those whose letter is in ``scenarios``); returns one row per case with
-    per-call times and ratios."""
-    backend = td.AutoCompile(compiler=compiler)
+    """Measure every case (those whose letter is in ``scenarios``) on ``device``, compiled with
+    ``mode`` (torchdi and raw alike); returns one row per case with per-call times and ratios."""
+    backend = td.AutoCompile(compiler=compiler, mode=mode)
     rows = []
-    for case in cases():
+    for case in cases(device):
         if case.name[-2] not in scenarios:
             continue
         if progress:
             progress(f"compile_overhead: {case.name}: preparing")
         wrapped = tuple(td.Constant(c) for c in case.contexts)
         prep = td.prepare_gradient(case.f, backend, case.x, *wrapped)
-        raw = torch.compile(torch.func.grad(case.f), backend=compiler, fullgraph=True)
-        raw_gv = torch.compile(torch.func.grad_and_value(case.f), backend=compiler, fullgraph=True)
+        raw = torch.compile(torch.func.grad(case.f), backend=compiler, fullgraph=True, mode=mode)
+        raw_gv = torch.compile(torch.func.grad_and_value(case.f), backend=compiler, fullgraph=True, mode=mode)
         reference = td.gradient(case.f, td.AutoAutograd(), case.x, *wrapped)
         ours = td.gradient(case.f, backend, case.x, *wrapped, prep=prep)
-        theirs = raw(case.x, *case.contexts)
+        # A raw CUDA-graph program (mode="reduce-overhead") overwrites its outputs at the next
+        # replay of its graph tree: its results are copied before anything else runs.
+        theirs = torch.utils._pytree.tree_map(torch.clone, raw(case.x, *case.contexts))
         our_value, ours_too = td.value_and_gradient(case.f, backend, case.x, *wrapped, prep=prep)
-        their_gradient, their_value = raw_gv(case.x, *case.contexts)
+        their_gradient, their_value = torch.utils._pytree.tree_map(torch.clone, raw_gv(case.x, *case.contexts))
         leaves = torch.utils._pytree.tree_leaves
         correct = all(
             torch.allclose(a, b, rtol=1e-4, atol=1e-4) and torch.allclose(c, b, rtol=1e-4, atol=1e-4)
@@ -179,6 +188,8 @@ def run(
         jax_fn = _jax_contender(case)
         if jax_fn is not None:
             contenders["jax"] = jax_fn
+        if device.startswith("cuda"):
+            contenders = {name: _synchronized(fn) for name, fn in contenders.items()}
         if progress:
             progress(f"compile_overhead: {case.name}: timing {', '.join(contenders)}")
         times = measure(contenders, repeats, timer)
@@ -191,6 +202,15 @@ def run(
             row["jax / torchdi"] = times["jax"] / times["torchdi"]
         rows.append(row)
     return rows
+
+
+def _synchronized(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return call
 
 
 def _jax_contender(case: Case) -> Callable[[], Any] | None:
@@ -244,12 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         "--timer", choices=("wall", "cpu"), default="wall",
         help="wall: perf_counter (default); cpu: this thread's CPU time (a shared machine: one thread only)",
     )
+    parser.add_argument("--device", default="cpu", help="where the tensors live (default cpu; e.g. cuda)")
+    parser.add_argument("--mode", default=None, help="torch.compile mode for torchdi and raw alike (e.g. reduce-overhead)")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and args.timer == "cpu":
+        parser.error("--timer cpu counts no device time: use the wall timer with --device cuda")
     torch.set_num_threads(args.threads)
     rows = run(args.repeats, args.compiler, progress=lambda m: print(m, file=sys.stderr, flush=True), scenarios=args.scenarios,
-               timer=time.thread_time if args.timer == "cpu" else time.perf_counter)
+               timer=time.thread_time if args.timer == "cpu" else time.perf_counter, device=args.device, mode=args.mode)
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     setting = (
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiler={args.compiler}; medians of {args.repeats} interleaved repeats"
+        f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, compiler={args.compiler}"
+        + (f", mode={args.mode}" if args.mode else "")
+        + f"; medians of {args.repeats} interleaved repeats"
         + ("; thread CPU time" if args.timer == "cpu" else "")
     )
     print(setting)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import gc
 import logging
+import re
 import weakref
 from pathlib import Path
 
@@ -349,9 +350,25 @@ def test_compile_errors_without_dynamo_exceptions(without, caplog):
     if not issubclass(cause, _dynamo.dynamo_user_errors()):
         pytest.skip(f"torch {torch.__version__} reports this function as a graph break, not a UserError")
     without("dynamo_errors")
-    with caplog.at_level(logging.WARNING, logger="torchdi"), pytest.raises(cause):
+    with caplog.at_level(logging.WARNING, logger="torchdi"), pytest.raises(RuntimeError) as raw:
         td.gradient(loss, BACKEND, params, buffers(), td.Constant(batch))
+    if not isinstance(raw.value, cause) and re.search("cannot capture", str(raw.value)):
+        # torch 2.11 wraps this second compilation's refusal in its "failed to run FX node" error,
+        # a graph break to torchdi: still an error at preparation, but not the path under test
+        pytest.skip(f"torch {torch.__version__} reports the second compilation as a graph break")
+    assert isinstance(raw.value, cause), repr(raw.value)
     assert len(_warnings_naming(caplog, "dynamo_errors")) == 1
+
+
+def test_a_compilation_logs_no_error_of_dynamo(caplog):
+    """torch 2.10 .. 2.12 fail to log a compilation's metrics when dynamo's logging knob holds
+    functions (torchdi's does) and print the traceback at ERROR level, twice per compilation; the
+    fence filters exactly those records (seen on torch 2.11; on other versions nothing is logged)."""
+    x = torch.linspace(-1.0, 1.0, 5)
+    with caplog.at_level(logging.ERROR, logger="torch"):
+        got = td.gradient(uses_global, BACKEND, x, td.Constant(torch.ones(5)), td.Constant(2.0))
+    torch.testing.assert_close(got, torch.cos(x) * 2.0 * SCALE)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 # -- the other fences: aten operators in sparsity detection, torch.distributed ---------------------

@@ -407,10 +407,39 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
     return generic(compiler, mode, options, dynamic)
 
 
+class _ConfigLoggingFailures(logging.Filter):
+    """Drops dynamo's "Unexpected exception logging ... metrics" records whose cause is its own
+    config logger failing on the functions in the logging knob (``_compiled._dynamo_settings``).
+
+    torch 2.10 .. 2.12 sort that set and JSON-encode it when they log a compilation's metrics
+    (``TypeError``, caught and logged with its traceback at ERROR level, twice per compilation);
+    torch 2.9 and 2.13 leave the knob out. The metrics are only logging: the compilation and its
+    results are unaffected (measured on torch 2.11, tests/test_fence.py). Any other failure of
+    dynamo's metrics logging is still shown.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, TypeError) or not record.getMessage().startswith("Unexpected exception logging"):
+            return True
+        frame, names = error.__traceback__, set()
+        while frame is not None:
+            names.add(frame.tb_frame.f_code.co_name)
+            frame = frame.tb_next
+        return "_get_dynamo_config_for_logging" not in names
+
+
+# The logger of torch 2.5 .. 2.14.1's torch/_dynamo/metrics_context.py (a name only: where torch
+# logs elsewhere, the filter filters nothing and the records show, as without torchdi).
+_METRICS_LOGGER = "torch._dynamo.metrics_context"
+_metrics_filter = _ConfigLoggingFailures()
+
+
 def compile_function(function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None) -> Any:
     """``torch.compile(function, ...)`` with the preparation's recompile limit where torch takes
     it as an argument (the config knob covers older torch), outside dynamo's caching precompile
     (``sound_settings``: ``torch.compile`` decides at this call whether a function joins it)."""
+    logging.getLogger(_METRICS_LOGGER).addFilter(_metrics_filter)  # once: a filter is added once
     extra: dict[str, Any] = {}
     if "recompile_limit" in _COMPILE_PARAMETERS:
         extra["recompile_limit"] = RECOMPILE_LIMIT

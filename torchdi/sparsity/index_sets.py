@@ -21,10 +21,12 @@ __all__ = ["IndexSets", "quiet_sparse_csr"]
 
 @contextmanager
 def quiet_sparse_csr() -> Iterator[None]:
-    """Silence torch's "Sparse CSR tensor support is in beta state" warning around torchdi's own
-    construction of CSR tensors (a user's own CSR code still sees it)."""
+    """Silence torch's "Sparse CSR tensor support is in beta state" warning (and torch 2.11's
+    "Sparse invariant checks are implicitly disabled", printed even with ``check_invariants=False``)
+    around torchdi's own construction of CSR tensors (a user's own CSR code still sees them)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
         yield
 
 
