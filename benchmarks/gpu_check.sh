@@ -2,7 +2,8 @@
 # One call on a GPU machine (the device tool lends one only to some tasks): the CUDA tests, the
 # compile-overhead figures on the device (default mode and CUDA graphs), and the version tests
 # under that machine's own torch. Everything it prints is also written to $OUT (default /tmp/gpu).
-# Usage: benchmarks/gpu_check.sh [python]   (python: an interpreter whose torch has CUDA)
+# Usage: benchmarks/gpu_check.sh [python [--full]]   (python: an interpreter whose torch has CUDA;
+# --full: the main suite too, under that torch)
 set -u
 PY=${1:-python3}
 OUT=${OUT:-/tmp/gpu}
@@ -39,3 +40,10 @@ IFS='|' read -r files marks select <<<"$tests"
 # shellcheck disable=SC2086
 timeout 90 "$PY" -m pytest -q -n 8 -p no:cacheprovider $files -m "$marks" -k "$select" 2>&1 | tail -n 15 | tee "$OUT/version-tests.log"
 echo "version tests: exit ${PIPESTATUS[0]}, $((SECONDS - start)) s"
+# --full: the main suite too (what make test-main-rest runs), under this machine's torch, on 12 workers.
+if [ "${2:-}" = "--full" ]; then
+  start=$SECONDS
+  timeout 300 "$PY" -m pytest -q -n 12 --dist loadfile -p no:cacheprovider tests torchdi --doctest-modules --ignore=tests/xla \
+    -m "not scenarios" 2>&1 | tail -n 40 | tee "$OUT/main-suite.log"
+  echo "main suite: exit ${PIPESTATUS[0]}, $((SECONDS - start)) s"
+fi
