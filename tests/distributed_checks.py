@@ -81,19 +81,21 @@ def make_mesh(layout: str) -> object:
 
 def largest_gathers(step: Callable[[], object]) -> list[int]:
     """The element counts of the parameter all-gathers ``step`` makes through ``torch.distributed``
-    (FSDP2's own gathering calls ``dist.all_gather_single``), in order."""
+    (FSDP2's own gathering calls ``dist.all_gather_single``, ``all_gather_into_tensor`` before torch
+    2.13), in order."""
     sizes: list[int] = []
-    real = dist.all_gather_single
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
 
     def spy(output: torch.Tensor, *args: object, **kwargs: object) -> object:
         sizes.append(output.numel())
         return real(output, *args, **kwargs)
 
-    dist.all_gather_single = spy
+    setattr(dist, name, spy)
     try:
         step()
     finally:
-        dist.all_gather_single = real
+        setattr(dist, name, real)
     return sizes
 
 

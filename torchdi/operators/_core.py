@@ -217,9 +217,12 @@ def _prepare_operator(
     y_learned = TreeMeta.of(y) if learning else None
     # Whether f reads a tensor that requires grad besides x (a context, a closed-over parameter):
     # then its derivatives depend on it and outer autograd must see them (rule 10).
-    # (context tensors are not counted: every call looks at its own contexts)
-    contexts_seen = {id(leaf) for leaf in pytree.tree_leaves((values, seen)) if isinstance(leaf, torch.Tensor)}
-    reached = _transparent.reads_tracked_besides(y, probing[1] | contexts_seen) if probing is not None else []
+    # (context tensors are not counted: every call looks at its own contexts; no probe while dynamo
+    # traces, which on torch 2.11 cannot trace id() of a tensor made inside the graph)
+    reached = []
+    if probing is not None:
+        contexts_seen = {id(leaf) for leaf in pytree.tree_leaves((values, seen)) if isinstance(leaf, torch.Tensor)}
+        reached = _transparent.reads_tracked_besides(y, probing[1] | contexts_seen)
     if probing is not None and x_unused(y, probing[1], bound, x_run, seen):
         warnings.warn(
             f"{operator}: f's output does not depend on x (no operation of f uses x), so every derivative "
@@ -584,10 +587,18 @@ def _detached_values(values: tuple[Any, ...]) -> tuple[Any, ...]:
     dynamo's guards saw it (two detached copies would fail its duplicate-input guard at the next
     call and recompile: GPT-2's input_ids passed as its labels too)."""
     memo: dict[int, torch.Tensor] = {}
+    traced: list[tuple[torch.Tensor, torch.Tensor]] = []  # while dynamo traces: by identity
+    compiling = torch.compiler.is_compiling()
 
     def detach_once(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
+        if compiling:  # (dynamo on torch 2.11 cannot trace id() of a tensor made in the graph)
+            for seen, detached in traced:
+                if seen is leaf:
+                    return detached
+            traced.append((leaf, leaf.detach()))
+            return traced[-1][1]
         if id(leaf) not in memo:
             memo[id(leaf)] = leaf.detach()
         return memo[id(leaf)]

@@ -362,12 +362,15 @@ def reads_tracked_besides(y: Any, probes: set[int]) -> list[Any]:
                 found.append(weakref.ref(leaf))
             continue
         stack.append(leaf.grad_fn)
-    seen: set[int] = set()
+    # The nodes themselves, not their ids: torch may hand out a new Python object for a node at
+    # each next_functions access (torch 2.11 does), and a freed one's id is reused by the next,
+    # which an id set would take as seen and stop the walk early (a closed-over parameter missed).
+    seen: set[Any] = set()
     while stack:
         node = stack.pop()
-        if id(node) in seen:
+        if node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         for child, _ in node.next_functions:
             if child is None:
                 continue
