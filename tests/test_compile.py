@@ -431,3 +431,51 @@ def test_one_tensor_passed_as_two_contexts_compiles_once():
         got = td.gradient(f, backend, torch.randn(3), td.Constant(d), td.Constant(d), prep=prep)
         torch.testing.assert_close(got, d)
     assert prep.num_compilations == 1
+
+
+# -- the plain gradient runs a value-free copy of the prepared program ---------------------------
+
+OFFSET = 1.0
+
+
+def offset_loss(x):
+    return ((x - OFFSET) ** 2).sum() + 3.0
+
+
+@pytest.mark.parametrize("backend", [AOT, pytest.param(INDUCTOR, marks=pytest.mark.inductor)], ids=["aot_eager", "inductor"])
+def test_plain_gradient_runs_the_value_free_copy(backend, monkeypatch):
+    """One dynamo compilation serves both calls (rule 2); the plain gradient runs the copy whose
+    value is a zero (f's final reduction left out), value_and_gradient the program with the value;
+    a changed global recompiles once for both and neither is stale (rule 7)."""
+    monkeypatch.setitem(globals(), "OFFSET", 1.0)
+    x = _point(0)
+    prep = td.prepare_gradient(offset_loss, backend, x)
+    assert prep.lean_call is not None and prep.num_compilations == 1
+    with torch.no_grad():  # as operators call it (the program guards on grad mode)
+        value, _ = prep.lean_call(x, None, ())
+    assert torch.equal(value, torch.zeros_like(value))  # the copy ran: no value computed
+    for seed in range(1, 4):  # both calls, in turn, with new values: nothing compiles
+        x = _point(seed)
+        want_value, want = td.value_and_gradient(offset_loss, REFERENCE, x)
+        _close(td.gradient(offset_loss, backend, x, prep=prep), want)
+        got_value, got = td.value_and_gradient(offset_loss, backend, x, prep=prep)
+        _close(got_value, want_value)
+        _close(got, want)
+    assert prep.num_compilations == 1
+    out = torch.empty_like(x)
+    assert td.gradient(offset_loss, backend, x, prep=prep, out=out) is out
+    _close(out, 2 * (x - 1.0))
+    monkeypatch.setitem(globals(), "OFFSET", -2.0)  # a global f reads: one recompilation serves both
+    _close(td.gradient(offset_loss, backend, x, prep=prep), 2 * (x + 2.0))
+    _close(td.value_and_gradient(offset_loss, backend, x, prep=prep)[0], ((x + 2.0) ** 2).sum() + 3.0)
+    _close(td.gradient(offset_loss, backend, x, prep=prep), 2 * (x + 2.0))
+    assert prep.num_compilations == 2
+
+
+def test_no_value_free_copy_where_it_cannot_serve():
+    """With graph breaks (fullgraph=False), has_aux, or a one-shot call, one program is compiled."""
+    x = _point(0)
+    assert td.prepare_gradient(offset_loss, td.AutoCompile(compiler="aot_eager", fullgraph=False), x).lean_call is None
+    prep = td.prepare_gradient(lambda v: (offset_loss(v), v.sum()), AOT, x, has_aux=True)
+    assert prep.lean_call is None and prep.num_compilations == 1
+    assert td.prepare_gradient(offset_loss, REFERENCE, x).lean_call is None

@@ -34,6 +34,7 @@ DYNAMO_HOOKS = {
     "compiler_wrappers": ("_COMPILER_WRAPPERS", None),
     "tensorify_reset": ("_TENSORIFY_STATE", None),
     "as_tensor_handler": ("_AS_TENSOR_API", False),
+    "value_free_graph": ("_GRAPH_COPY", None),
 }
 AUTOGRAD_HOOKS = {
     "function_apply": ("_FUNCTION_APPLY", None),

@@ -178,6 +178,7 @@ class Prep:
         "f_needs_grad",
         "has_aux",
         "keep_static",
+        "lean_call",
         "learned",
         "operator",
         "output_shape",
@@ -211,6 +212,9 @@ class Prep:
         # One runner serves the plain operator and its value_ variant (rule 2: nothing compiles
         # after preparation; the plain operator drops the value).
         self.call = _entry(runner, strict)
+        # What the plain operator runs when the runner has a cheaper value-free way (a compiled
+        # gradient's second copy of its program), else None (it runs call). Set by prepare_operator.
+        self.lean_call: Callable[..., Any] | None = None
         self.strict = strict
         self.keep_static = keep_static
         self.output_shape = output_shape

@@ -31,6 +31,7 @@ __all__ = [
     "FALLBACKS",
     "BoundFunction",
     "CountsCompilations",
+    "DropsValue",
     "Engine",
     "HasCheckedCall",
     "HasPath",
@@ -145,6 +146,14 @@ class HasCheckedCall(Protocol):
     engines then skip their own guards)."""
 
     def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> tuple[Any, ...]: ...
+
+
+@runtime_checkable
+class DropsValue(Protocol):
+    """A runner with a cheaper way to run when the caller drops the value (a compiled gradient:
+    the value-free copy of its program, compiled at preparation beside it)."""
+
+    def without_value(self) -> Any: ...
 
 
 @runtime_checkable

@@ -95,6 +95,7 @@ when an XLA backend is used (importing torch-xla is slow and may fail on a misma
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import logging
@@ -141,6 +142,7 @@ __all__ = [
     "release_code",
     "set_grad_enabled",
     "sound_settings",
+    "split_marked_value",
     "transforms_active",
     "warn_off",
 ]
@@ -311,6 +313,82 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
     """What dynamo raises for a graph break under ``fullgraph=True`` (``()``: none recognised)."""
     return _lazy("_GRAPH_BREAK_ERRORS") or ()
 
+def _graph_copier() -> Callable[[torch.fx.GraphModule], torch.fx.GraphModule]:
+    """A copy of a dynamo graph module that AOTAutograd and inductor accept as dynamo's own.
+
+    ``copy.deepcopy`` of an FX graph copies its nodes but not the attributes dynamo sets on them
+    (``Node._dynamo_source``, which AOTAutograd requires on every placeholder) nor those it sets
+    on the module (``_param_name_to_source``, ...): both are carried over here. The deepcopy's
+    memo doubles as its old-node -> new-node map only when it is not empty (torch 2.9 .. 2.14.1's
+    ``Graph.__deepcopy__``), hence the seed entry.
+    """
+    if not hasattr(torch.fx.Graph, "__deepcopy__"):
+        raise AttributeError("torch.fx.Graph.__deepcopy__")
+
+    def copy_module(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        memo: dict[Any, Any] = {-1: None}
+        graph = copy.deepcopy(module.graph, memo)
+        nodes = [(old, new) for old, new in memo.items() if isinstance(old, torch.fx.Node) and isinstance(new, torch.fx.Node)]
+        mapped = {old for old, _ in nodes}
+        if not all(node in mapped for node in module.graph.nodes if node.op != "output"):
+            raise AttributeError("Graph.__deepcopy__ no longer maps the nodes it copies")
+        for old, new in nodes:
+            for name, value in vars(old).items():
+                if name not in vars(new):
+                    setattr(new, name, value)
+        copied = torch.fx.GraphModule(module, graph)
+        for name, value in vars(module).items():
+            if name not in vars(copied):
+                setattr(copied, name, value)
+        copied.meta = dict(module.meta)
+        return copied
+
+    return copy_module
+
+
+# torch 2.9 .. 2.14.1 (FX's deepcopy memo; dynamo's node attributes and "example_value" meta).
+_GRAPH_COPY: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = _probe(_graph_copier)
+
+
+def split_marked_value(module: torch.fx.GraphModule, marker: Any) -> torch.fx.GraphModule | None:
+    """For a graph whose value passes through ``marker`` (an identity op), remove the marker from
+    ``module`` in place and return a copy in which the value is a zero of its dtype and device
+    instead: compiled, the copy leaves out what only the value needed (``f``'s final reduction
+    once AOTAutograd has differentiated the graph). ``None`` when ``module`` has no marker, or
+    when this torch cannot copy a dynamo graph (then only the marker goes: one program serves
+    both calls)."""
+    marked = list(module.graph.find_nodes(op="call_function", target=marker))
+    if not marked:
+        return None
+    copier = _GRAPH_COPY
+    lean: torch.fx.GraphModule | None = None
+    if copier is None:
+        warn_off("value_free_graph")
+    else:
+        try:
+            lean = copier(module)
+        except Exception as error:  # a graph this copy does not handle: the one program serves both
+            warn_off("value_free_graph", str(error))
+    if lean is not None:
+        for node in lean.graph.find_nodes(op="call_function", target=marker):
+            example = node.meta.get("example_value")
+            if not isinstance(example, torch.Tensor):
+                lean = None
+                break
+            with lean.graph.inserting_before(node):
+                zero = lean.graph.call_function(torch.zeros, (tuple(example.shape),), {"dtype": example.dtype, "device": example.device})
+            zero.meta = dict(node.meta)
+            node.replace_all_uses_with(zero)
+            lean.graph.erase_node(node)
+    if lean is not None:
+        lean.recompile()
+    for node in marked:
+        node.replace_all_uses_with(node.args[0])
+        module.graph.erase_node(node)
+    module.recompile()
+    return lean
+
+
 FAST_PATHS: dict[str, str] = {
     "guard_lookup": "evaluating dynamo's guards and running its transformed code without torch.compile's per-call wrapper",
     "release": "freeing dynamo's cache entries of a dropped preparation at once (reset_code, cached_backends)",
@@ -329,6 +407,7 @@ FAST_PATHS: dict[str, str] = {
     "jvp_nesting": "nesting a backend's torch.func.jvp in the caller's eager dual level",
     "dispatch_keys": "reading a tensor's dispatch keys (torch's legacy vmap batching)",
     "dynamo_errors": "recognising dynamo's compiler failures and refusals (torch._dynamo.exc)",
+    "value_free_graph": "a value-free copy of a traced gradient graph (the plain gradient skips f's final reduction)",
 }
 
 # What a fallback costs when it is more than time (the others are slower, never different).

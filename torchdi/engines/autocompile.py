@@ -29,7 +29,12 @@ class CompileEngine:
     def build(self, family: str, f: Any, spec: Any) -> Any:
         refuse_compiled_double_backward(self.backend, family, spec)
         inner = build_runner(self.backend.inner, family, f, spec)
-        runner = CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts)
+        # A prepared gradient also serves the plain gradient, which drops the value: asked for
+        # (without_value) before it compiles, the runner marks its value so that a value-free copy
+        # of the traced program is compiled beside it. Only in one graph (fullgraph=True): with
+        # graph breaks the mark could end up in a graph of its own, compiled for nothing.
+        can_drop_value = family == "gradient" and spec.needs_value and not spec.has_aux and self.backend.fullgraph
+        runner = CompiledRunner(inner, self.backend, family, getattr(f, "function_name", repr(f)), spec.state_contexts, can_drop_value)
         if compiled_store(self.backend) is not None:  # persisted preparations (torchdi.cache)
             runner.persist_key = program_key(family, f, spec, self.backend)
         return runner

@@ -48,6 +48,7 @@ from torchdi.operators._trees import Flattening, needs_flattening
 from torchdi.prep import Prep, PreparationMismatchError, describe, describe_contexts
 from torchdi.runners import (
     BoundFunction,
+    DropsValue,
     Runner,
     ServesEmpty,
     Spec,
@@ -265,25 +266,20 @@ def _prepare_operator(
         )
     batched = None if tangents is None else _batch_tangents(tangents)
     # Rule 2 without exception: one runner, compiled here, serves the plain operator and its
-    # value_ variant; nothing compiles on a later call. The alternative, a second program without
-    # the value for the plain operator compiled here too (it lets the compiler drop f's final
-    # reduction), costs every prepare_gradient a second compilation, paid even by loops that only
-    # call value_and_gradient. Measured (issue 27, one thread, inductor, cold cache): the second
-    # program takes 4.2 / 4.8 / 4.8 s after the first's 6.7 / 5.9 / 7.9 s (Rosenbrock 1e6, small
-    # MLP, MLP wrt a dict of parameters): +60-80% per cold preparation. What it would save: the
-    # value's reduction, 1.11x on the bandwidth-bound Rosenbrock (prepared gradient / raw
-    # torch.compile(grad(f)), equal to raw grad_and_value / raw grad), nothing measurable on the
-    # MLPs (benchmarks/compile_overhead.py --timer cpu: 0.90x and 1.00x).
+    # value_ variant; nothing compiles on a later call. A runner that can drop the value (a
+    # compiled gradient: DropsValue) is asked for its value-free way before it compiles (_built):
+    # one dynamo trace, one set of guards, and the traced graph compiled twice, with and without
+    # the value, so that the plain gradient skips f's final reduction (see engines/_compiled.py).
     # A one-shot call (no prep: value is False or True) compiles only what it needs.
     if value is False and row.drops_value and engine.keeps_static and not has_aux:
         spec = replace(spec, needs_value=False)
     if (spec.x.numel == 0 or spec.y.numel == 0) and not (implements(engine, ServesEmpty) and family in engine.builds_empty):
         # No derivative to compute (an empty x or an empty f(x)): the zero map, on every
         # backend, instead of each engine's failure on empty bases and stacks.
-        runner = zero_runner(family, bound, spec)
+        runner, lean_call = zero_runner(family, bound, spec), None
     else:
         own = None if runner_factory is None else runner_factory(backend, family, bound, spec, x_run, batched, values)
-        runner = own if own is not None else _built(backend, family, bound, spec, x_run, batched, values)
+        runner, lean_call = (own, None) if own is not None else _built(backend, family, bound, spec, x_run, batched, values)
     if flattening is not None:
         runner = flattening.runner(runner)
     if has_aux and not aux_natively:
@@ -302,6 +298,7 @@ def _prepare_operator(
     )
     prep.has_aux = has_aux
     prep.f_needs_grad = f_needs_grad
+    prep.lean_call = lean_call
     if y_learned is not None and spec.x.numel and spec.y.numel:
         prep.learned = _one_shot.Learned(spec, flattening, y_learned)
     if draws_random:
@@ -386,9 +383,14 @@ def _refuse_sparse_trees(backend: Backend, family: str, x: Any, y: Any, operator
         )
 
 
-def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]) -> Runner:
-    """The runner, compiled for these arguments when the engine compiles (``warm_up``)."""
+def _built(
+    backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, tangents: Any, values: tuple[Any, ...]
+) -> tuple[Runner, Runner | None]:
+    """The runner, compiled for these arguments when the engine compiles (``warm_up``), and what
+    the plain operator runs instead when the runner has a value-free way (asked for before the
+    runner compiles, which then compiles it too) or ``None``."""
     runner = build_runner(backend, family, f, spec)
+    lean = runner.without_value() if FAMILIES[family].drops_value and spec.needs_value and implements(runner, DropsValue) else None
     try:
         with torch.no_grad():  # calls run under no_grad too: the compiled program guards on it
             # (and with plain contexts: see run_operator)
@@ -398,7 +400,7 @@ def _built(backend: Backend, family: str, f: BoundFunction, spec: Spec, x: Any, 
         if note:
             error.add_note(note)
         raise
-    return runner
+    return runner, lean
 
 
 def run_operator(
@@ -480,7 +482,7 @@ def run_operator(
         values = _detached_values(values)
     x_run = canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
-    call = prep.call
+    call = prep.call if value or prep.lean_call is None else prep.lean_call
     grad_enabled = torch.is_grad_enabled()
     f_needs_grad = prep.f_needs_grad
     set_grad_enabled(f_needs_grad)  # torch.no_grad() without its object: ~1 us per call less
