@@ -172,6 +172,7 @@ def train_fsdp(kind: str, backend_name: str, wrapped: bool = True, layout: str =
     return {
         "difference": max_difference(model, reference), "value": value_error, "moved": moved, "placements": placements,
         "compilations": prep.num_compilations, "collectives": counted, "gathers": gathers,
+        "staged": getattr(getattr(getattr(prep, "runner", None), "last_call", None), "staged_bytes", None),
         "largest_unit": max(unit_sizes, default=0), "total": sum(p.numel() for p in model.parameters()),
     }
 

@@ -158,9 +158,12 @@ def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
     if check == "fsdp-gpt2-func":
         assert result["gathers"] == [1088, 3280, 3280, 3280, 3280]  # the root once, each block twice
     if check == "fsdp-mlp-func":
-        # per step: two all-gathers per unit, one reduce-scatter per unit (gloo runs it as an
+        # per step: two all-gathers per unit, one reduce-scatter per gradient (gloo runs it as an
         # all-reduce), one all-reduce of the value
-        assert result["collectives"] == {"gloo:all_gather": 4, "gloo:all_reduce": 3}
+        assert result["collectives"] == {"gloo:all_gather": 4, "gloo:all_reduce": 5}
+        # each gradient reduce-scattered from its own memory, copied only to pad its rows to a
+        # multiple of 2 processes: both Linears here (33 rows -> 34, 3 rows -> 4), no flat bucket
+        assert result["staged"] == (34 * 10 + 34 + 4 * 33 + 4) * 4
     elif check == "fsdp-mlp-compile":
         # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
         # all-reduce) of the gradients, one all-reduce of the value, per step
