@@ -86,8 +86,9 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exc
 # plain `gradient` runs. One trace and one set of dynamo guards serve both calls (rule 7; one
 # compilation counted, rule 2), and the plain gradient no longer pays f's final reduction: on
 # Rosenbrock 1e6 (one thread, inductor) the one program took 5916 us a call against raw
-# torch.compile(grad(f))'s 5198, the value-free copy 5235 (1.01x), for one more inductor
-# compilation at preparation (2.7 s there, on top of the 2.6 s of the first).
+# torch.compile(grad(f))'s 5198, the value-free copy 5235 (1.01x). The price is one more inductor
+# compilation at preparation: 10-14% more CPU time for a cold prepare_gradient
+# (benchmarks/cold_prepare.py; most of a cold compilation is inductor's first C++ build and imports).
 @torch.library.custom_op("torchdi::gradient_value", mutates_args=())
 def gradient_value(value: torch.Tensor) -> torch.Tensor:
     """The identity (a copy: a custom op may not return its input), marking a gradient's value."""

@@ -313,6 +313,7 @@ def graph_break_errors() -> tuple[type[BaseException], ...]:
     """What dynamo raises for a graph break under ``fullgraph=True`` (``()``: none recognised)."""
     return _lazy("_GRAPH_BREAK_ERRORS") or ()
 
+
 def _graph_copier() -> Callable[[torch.fx.GraphModule], torch.fx.GraphModule]:
     """A copy of a dynamo graph module that AOTAutograd and inductor accept as dynamo's own.
 
