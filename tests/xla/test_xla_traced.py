@@ -73,15 +73,21 @@ def test_module_constant_follows_an_optimizer_each_step_like_eager():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data = point(3, (4, 6))
     prep = td.prepare_gradient(model_loss, XLA, data, td.Constant(model))
-    assert prep.runner.path == TRACED
+    assert prep.runner.path == TRACED and prep.reads_tracked  # the trainable parameters
     compiled = prep.num_compilations
-    td.gradient(model_loss, XLA, data, td.Constant(model), prep=prep)  # the prepared program (rule 2)
+    # With grad mode on, the result depends on parameters that require grad, and an XLA program
+    # cannot give outer autograd that derivative: refused at once (rule 10), as on AutoCompile.
+    with pytest.raises(td.UnsupportedOperatorError, match="Backends that compose"):
+        td.gradient(model_loss, XLA, data, td.Constant(model), prep=prep)
+    with torch.no_grad():  # the input gradient as data, as the error says
+        td.gradient(model_loss, XLA, data, td.Constant(model), prep=prep)  # the prepared program (rule 2)
     assert prep.num_compilations == compiled
     before = {name: t.clone() for name, t in model.state_dict().items()}
     for step in range(6):
         x = point(10 + step, (4, 6))
-        got = td.gradient(model_loss, XLA, x, td.Constant(model), prep=prep)
-        torch.testing.assert_close(got, td.gradient(model_loss, REFERENCE, x, td.Constant(model)), atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            got = td.gradient(model_loss, XLA, x, td.Constant(model), prep=prep)
+        torch.testing.assert_close(got, td.gradient(model_loss, REFERENCE, x, td.Constant(model)).detach(), atol=1e-5, rtol=1e-4)
         optimizer.zero_grad()
         model_loss(x, model).backward()  # the host module changes in place
         optimizer.step()
@@ -102,6 +108,7 @@ def test_module_constant_follows_an_optimizer_without_the_version_counter(monkey
 
 def test_module_constant_training_flag_is_followed():
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)).eval()
+    model.requires_grad_(False)  # (trainable parameters would need torch.no_grad(): see above)
     prep = td.prepare_gradient(model_loss, XLA, point(0, (2, 6)), td.Constant(model))
     want = td.gradient(model_loss, REFERENCE, point(1, (2, 6)), td.Constant(model))
     torch.testing.assert_close(td.gradient(model_loss, XLA, point(1, (2, 6)), td.Constant(model), prep=prep), want)
