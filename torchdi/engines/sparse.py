@@ -309,7 +309,6 @@ class SparseRunner:
         self.entries: dict[int, Any] = {}
         self.checked_entries: dict[int, Any] = {}
         self.fused_entries: tuple[Any, Any] | None = None  # (plain, checked) entry of the one program
-        self.gradient_entries: tuple[Any, Any] | None = None
         self.fused_seeds: torch.Tensor | None = None
 
     @property
@@ -508,13 +507,17 @@ class SparseRunner:
             assert isinstance(dense, AutoCompile) and len(self.passes) == 1
             program_backend = _fused_backend(dense)
             indices = (self.crow.to(x.device), self.col.to(x.device))
-            self.fused = _fused(self.passes[0][0], TorchRecovery(recovery, x.device), indices, program_backend, self.family, self.f)
+            # A hessian's value and gradient come from the same program (one call, one set of guards).
+            gradient = build_runner(dense.inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0)) if hessian else None
+            self.fused = _fused(
+                self.passes[0][0], gradient, TorchRecovery(recovery, x.device), indices, program_backend, self.f, self.spec.state_contexts
+            )
             if compiled_store(dense) is not None:  # the passes and the decompression persist as one program
                 self.fused.persist_key = program_key(f"sparse {self.family} {mode}", self.f, self.passes[0][1].shape, program_backend)
             warm_up(self.fused, x, self.passes[0][1], contexts)
         if hessian and n == 0:
             self.gradient = zero_runner("gradient", self.f, replace_spec(self.spec, n_tangents=0))
-        elif hessian:
+        elif hessian and self.fused is None:
             _, inner = outer_inner(self.backend.dense)
             self.gradient = build_runner(inner, "gradient", self.f, replace_spec(self.spec, n_tangents=0))
             warm_up(self.gradient, x, None, contexts)
@@ -525,7 +528,6 @@ class SparseRunner:
         self.checked_entries = {id(r): checked_entry(r) for r in runners}
         # The one-program call's entry points and seeds, read without a dict per call.
         self.fused_entries = (self.fused, checked_entry(self.fused)) if self.fused is not None else None
-        self.gradient_entries = (self.gradient, checked_entry(self.gradient)) if self.gradient is not None else None
         self.fused_seeds = self.passes[0][1] if self.fused is not None else None
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
@@ -569,12 +571,8 @@ class SparseRunner:
             raise RuntimeError("AutoSparse: this runner was not prepared (warm_up was not called)")
         fused = self.fused_entries
         if fused is not None:  # the hot path: one program, its result's index tensors fresh from it
-            first, values, crow, col = fused[checked](x, self.fused_seeds, contexts)
-            matrix = decompression.csr(crow, col, values, self.shape)
-            if self.gradient_entries is not None:  # a hessian: (value, gradient, H)
-                value, grad = self.gradient_entries[checked](x, None, contexts)
-                return value, grad, matrix
-            return first, matrix
+            *head, values, crow, col = fused[checked](x, self.fused_seeds, contexts)
+            return (*head, decompression.csr(crow, col, values, self.shape))
 
         entries = self.checked_entries if checked else self.entries
 
@@ -612,21 +610,33 @@ def _fused_backend(dense: AutoCompile) -> AutoCompile:
 
 
 def _fused(
-    runner: Any, recovery: TorchRecovery, indices: tuple[torch.Tensor, torch.Tensor], backend: AutoCompile, family: str, f: Any
+    runner: Any,
+    gradient: Any,
+    recovery: TorchRecovery,
+    indices: tuple[torch.Tensor, torch.Tensor],
+    backend: AutoCompile,
+    f: Any,
+    state_contexts: tuple[int, ...],
 ) -> CompiledRunner:
     """The compressed pass, the decompression and the result's index tensors, compiled as one
-    program: ``(x, seeds, contexts) -> (y or gradient, CSR values, crow_indices, col_indices)``.
+    program: ``(x, seeds, contexts) -> (y, CSR values, crow_indices, col_indices)`` for a
+    jacobian, ``(value, gradient, CSR values, crow_indices, col_indices)`` for a hessian (with
+    ``gradient``, the eager gradient runner: a second compiled program would cost a second call
+    into torch's compiled-code machinery, about 100 us per call on the Rosenbrock N=200 hessian).
 
     The recovery's index tensors and ``indices`` (the pattern's, on x's device) are inputs of the
     program that no call changes; each call's result gets its own copies of ``indices``, made in
     the program's one kernel (two ``clone`` calls outside it: 10 us on the heat equation, a sixth
     of asdex's whole call there), so that a CSR result's in-place methods cannot reach another."""
     crow, col = indices
-    def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        first, compressed = runner(x, seeds, contexts)
-        return first, recovery.values(compressed.reshape(-1)), crow.clone(), col.clone()
 
-    return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)))
+    def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
+        first, compressed = runner(x, seeds, contexts)
+        head = (first,) if gradient is None else tuple(gradient(x, None, contexts))
+        return (*head, recovery.values(compressed.reshape(-1)), crow.clone(), col.clone())
+
+    family = "jacobian" if gradient is None else "hessian"
+    return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)), state_contexts)
 
 
 register_engine(AutoSparse, SparseEngine)
