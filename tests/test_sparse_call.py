@@ -173,6 +173,22 @@ def test_value_and_jacobian_and_inputs_untouched_on_the_compiled_path():
     assert jac.crow_indices().dtype == jac.col_indices().dtype == torch.int64
 
 
+@pytest.mark.parametrize("hessian", [False, True], ids=["jacobian", "hessian"])
+def test_the_one_program_is_refused_under_vmap_and_outer_autograd(hessian):
+    # A CSR result cannot carry a vmap batch or an autograd graph: a clear refusal, never a
+    # detached or unbatched matrix from the prepared program.
+    backend = td.AutoSparse(td.AutoCompile(compiler="aot_eager"))
+    f = chained_rosenbrock if hessian else diff_square
+    operator = td.hessian if hessian else td.jacobian
+    x = torch.rand(3, 6, dtype=torch.float64)
+    prep = (td.prepare_hessian if hessian else td.prepare_jacobian)(f, backend, x[0])
+    with pytest.raises(td.UnsupportedOperatorError):
+        torch.func.vmap(lambda z: operator(f, backend, z, prep=prep).to_dense())(x)
+    with pytest.raises(td.UnsupportedOperatorError):
+        operator(f, backend, x[0].clone().requires_grad_(), prep=prep)
+    assert torch.allclose(operator(f, backend, x[1], prep=prep).to_dense(), (dense_hessian if hessian else dense_jacobian)(f, x[1]))
+
+
 # ----------------------------------------------------------------------------------------------
 # The inductor options of the sparse program
 
