@@ -628,8 +628,8 @@ def _fused(
     The recovery's index tensors and ``indices`` (the pattern's, on x's device) are inputs of the
     program that no call changes; each call's result gets its own copies of ``indices``, so that a
     CSR result's in-place methods cannot reach another. Their price, measured in one process
-    against the same program without them: 25-30 us per call on the heat equation N=200 (165 ->
-    195 us; two ``clone`` calls after the program cost the same), about 1 ms (19%) on the
+    against the same program without them: 25-30 us per call on the heat equation N=200 (167 ->
+    195 and 145 -> 175 us in two runs; two ``clone`` calls after the program cost the same), about 1 ms (19%) on the
     Rosenbrock 1e5 hessian (3.2 MB of fresh int64 indices per call)."""
     crow, col = indices
 
