@@ -629,8 +629,8 @@ def _fused(
     program that no call changes; each call's result gets its own copies of ``indices``, so that a
     CSR result's in-place methods cannot reach another. Their price, measured in one process
     against the same program without them: 25-30 us per call on the heat equation N=200 (167 ->
-    195 and 145 -> 175 us in two runs; two ``clone`` calls after the program cost the same), about 1 ms (19%) on the
-    Rosenbrock 1e5 hessian (3.2 MB of fresh int64 indices per call)."""
+    195 and 145 -> 175 us in two runs; two ``clone`` calls after the program cost the same), about
+    1 ms (19%) on the Rosenbrock 1e5 hessian (3.2 MB of fresh int64 indices per call)."""
     crow, col = indices
 
     def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
