@@ -625,12 +625,15 @@ def test_compiled_dense_backend_compiles_once():
         assert torch.allclose(jac.to_dense(), dense_jacobian(diff_square, x + shift))
     assert prep.num_compilations == 1
     hprep = torchdi.prepare_hessian(chained_rosenbrock, backend, torch.rand(20, dtype=torch.float64))
-    compiled = hprep.num_compilations  # the compressed HVPs and the value-and-gradient
+    compiled = hprep.num_compilations  # one program: the compressed HVPs, the value and the gradient
     for _ in range(2):
         z = torch.rand(20, dtype=torch.float64)
         hess = torchdi.hessian(chained_rosenbrock, backend, z, prep=hprep)
         assert torch.allclose(hess.to_dense(), torch.autograd.functional.hessian(chained_rosenbrock, z))
-    assert hprep.num_compilations == compiled == 2
+        value, grad, hess = torchdi.value_gradient_and_hessian(chained_rosenbrock, backend, z, prep=hprep)
+        assert torch.allclose(value, chained_rosenbrock(z))
+        assert torch.allclose(grad, torch.func.grad(chained_rosenbrock)(z))
+    assert hprep.num_compilations == compiled == 1
 
 
 # ----------------------------------------------------------------------------------------------

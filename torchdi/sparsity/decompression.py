@@ -5,8 +5,8 @@ A preparation turns a colouring into a ``Recovery`` (numpy, built once): positio
 compressed products (the passes' results concatenated, each ``(ncolors, length)`` flattened) of
 the values read directly, and for substitution the signed tree sums that solve the others.
 ``TorchRecovery`` holds it as tensors on one device and runs it with ``index_select`` and one
-``cumsum``: no Python per entry, traceable by ``torch.compile``. ``csr`` wraps the values with
-the preparation's shared index tensors without re-validating them.
+``cumsum``: no Python per entry, traceable by ``torch.compile``. ``csr`` wraps the values and
+the result's own copy of the pattern's index tensors without re-validating them.
 
 - Columns (forward passes): entry ``(i, j)`` sits at ``(c(j), i)`` of the ``(ncolors, m)`` JVPs.
 - Rows (reverse passes): ``(i, j)`` at ``(c(i), j)`` of the ``(ncolors, n)`` VJPs.
@@ -248,7 +248,10 @@ _quiet_done = False
 
 
 def csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """A CSR tensor on the preparation's shared index tensors, without re-validating them.
+    """A CSR tensor on index tensors known to be valid (the pattern's), without re-validating them.
+
+    The caller hands over index tensors no other result holds: a CSR tensor's in-place methods
+    write into them (``zero_()`` empties ``col_indices``, ``copy_`` copies another pattern in).
 
     torch's "Sparse CSR tensor support is in beta state" warning is silenced for torchdi's own
     results. torch warns once per process, so only the first construction needs the (40 us)
