@@ -295,7 +295,8 @@ def _copy_csr_values(dst: torch.Tensor, src: torch.Tensor, leaf: int) -> None:
     """Fill a sparse CSR ``dst`` in place from ``src`` of the same sparsity pattern (values only)."""
     if src.layout == torch.sparse_csr and _same_storage(dst.crow_indices(), src.crow_indices()) and _same_storage(
         dst.col_indices(), src.col_indices()
-    ):  # results of one AutoSparse preparation share their index tensors: no O(nnz) comparison
+    ):  # the same index tensors (dst is src): no O(nnz) comparison. (AutoSparse results own
+        # theirs, so the comparison below runs for out=; it is O(nnz), like the values' copy.)
         dst.values().copy_(src.values())
         return
     if src.layout != torch.sparse_csr or not (
