@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import numpy as np
@@ -470,6 +471,26 @@ def test_plain_gradient_runs_the_value_free_copy(backend, monkeypatch):
     _close(td.value_and_gradient(offset_loss, backend, x, prep=prep)[0], ((x + 2.0) ** 2).sum() + 3.0)
     _close(td.gradient(offset_loss, backend, x, prep=prep), 2 * (x + 2.0))
     assert prep.num_compilations == 2
+
+
+def test_value_free_mode_is_per_thread():
+    """A plain gradient running in one thread (the value-free copy chosen) leaves a
+    value_and_gradient call of the same preparation in another thread its value."""
+    x = _point(0)
+    prep = td.prepare_gradient(offset_loss, AOT, x)
+    mode = prep.runner.value_free  # what the plain gradient's call sets while it runs
+    mode.on = True
+    try:
+        results = []
+        worker = threading.Thread(target=lambda: results.append(td.value_and_gradient(offset_loss, AOT, x, prep=prep)))
+        worker.start()
+        worker.join()
+    finally:
+        mode.on = False
+    want_value, want = td.value_and_gradient(offset_loss, REFERENCE, x)
+    _close(results[0][0], want_value)
+    _close(results[0][1], want)
+    assert prep.num_compilations == 1
 
 
 def test_no_value_free_copy_where_it_cannot_serve():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -236,7 +237,7 @@ class _CountingCompiler:
 
         def value_or_not(*args: Any) -> Any:
             runner = holder()
-            return (compiled if runner is None or runner.value_wanted else compiled_lean)(*args)
+            return (compiled_lean if runner is not None and getattr(runner.value_free, "on", False) else compiled)(*args)
 
         return value_or_not
 
@@ -315,10 +316,11 @@ class CompiledRunner:
         self.owns_buffers = backend.mode == "reduce-overhead"
         # A gradient runner whose value is marked (_marking_value, once without_value asked for it
         # before compiling): its compiled graphs come in a value-free copy too, run while
-        # value_wanted is False.
+        # value_free.on is true. Per thread: a value_and_gradient call in one thread must not take
+        # the value-free copy (a zero value) while a plain gradient call runs in another.
         self.can_drop_value = can_drop_value
         self.marks_value = False
-        self.value_wanted = True
+        self.value_free = threading.local()
         self.buffers: tuple[Any, Any, Any] | None = None
         self._compiled: Any = None
         self._compiler = _CountingCompiler(self, backend)
@@ -548,12 +550,13 @@ class _ValueFree:
         self.runner = runner
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
-        runner = self.runner
-        runner.value_wanted = False
+        mode = self.runner.value_free
+        before = getattr(mode, "on", False)
+        mode.on = True
         try:
-            return runner(x, tangents, contexts)
+            return self.runner(x, tangents, contexts)
         finally:
-            runner.value_wanted = True
+            mode.on = before
 
 
 def _autocast_state() -> dict[str, torch.dtype]:

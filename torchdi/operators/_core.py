@@ -280,10 +280,13 @@ def _prepare_operator(
     else:
         own = None if runner_factory is None else runner_factory(backend, family, bound, spec, x_run, batched, values)
         runner, lean_call = (own, None) if own is not None else _built(backend, family, bound, spec, x_run, batched, values)
+    bare = runner
     if flattening is not None:
         runner = flattening.runner(runner)
     if has_aux and not aux_natively:
         runner = AuxRunner(runner, with_aux, operator)
+    if runner is not bare:  # the value-free way is the bare runner's: never past a wrapper it would skip
+        lean_call = None
     expected = _received(x, tangents, values, kinds, engine.keeps_static)
     prep = Prep(
         family,
