@@ -189,6 +189,51 @@ def test_the_one_program_is_refused_under_vmap_and_outer_autograd(hessian):
     assert torch.allclose(operator(f, backend, x[1], prep=prep).to_dense(), (dense_hessian if hessian else dense_jacobian)(f, x[1]))
 
 
+@pytest.mark.parametrize("hessian", [False, True], ids=["jacobian", "hessian"])
+def test_layout_dtype_and_shape_of_x_on_the_compiled_path(hessian):
+    # The plain prepared call goes straight from the operator to the one program's guards: another
+    # memory layout is copied to the compiled one, another dtype or shape is refused by the strict
+    # check (strict=False: dynamo's dtype guard fails and it recompiles), never a stale matrix.
+    backend = td.AutoSparse(td.AutoCompile(compiler="aot_eager"))
+    f = chained_rosenbrock if hessian else diff_square
+    operator = td.hessian if hessian else td.jacobian
+    dense = dense_hessian if hessian else dense_jacobian
+    prepare = td.prepare_hessian if hessian else td.prepare_jacobian
+    x = torch.rand(12, dtype=torch.float64) + 0.5
+    prep = prepare(f, backend, x)
+    before = prep.num_compilations
+    strided = (torch.rand(24, dtype=torch.float64) + 0.5)[::2]
+    assert torch.allclose(operator(f, backend, strided, prep=prep).to_dense(), dense(f, strided))
+    assert prep.num_compilations == before
+    for other in (x.float(), torch.rand(13, dtype=torch.float64) + 0.5):
+        with pytest.raises(td.PreparationMismatchError, match="x: mismatch"):
+            operator(f, backend, other, prep=prep)
+    assert torch.allclose(operator(f, backend, x, prep=prep).to_dense(), dense(f, x))
+    if not hessian:  # (a strict=False hessian keeps its float64 seeds: a float64 result, not checked here)
+        loose = prepare(f, backend, x, strict=False)
+        single = x.float() - 0.25
+        got = operator(f, backend, single, prep=loose)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.to_dense(), dense(f, single))
+        assert loose.num_compilations == before + 1
+
+
+def test_the_transformed_code_calls_no_profiler_markers_and_runs_under_the_profiler():
+    # record_runtime_overhead is off while torchdi compiles: dynamo's transformed bytecode then
+    # calls no "pregraph bytecode" markers (two calls per call, read by torch.profiler alone).
+    backend = td.AutoSparse(td.AutoCompile(compiler="aot_eager"))
+    x = torch.rand(9, dtype=torch.float64)
+    prep = td.prepare_jacobian(diff_square, backend, x)
+    cache = prep.runner.fused._cache
+    assert cache.fast and cache.entries
+    names = {name for _, transformed in cache.entries for name in transformed.__code__.co_names}
+    assert not {name for name in names if name.startswith("record_pregraph")}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        got = td.jacobian(diff_square, backend, x + 0.5, prep=prep)
+    assert torch.allclose(got.to_dense(), dense_jacobian(diff_square, x + 0.5))
+    assert prep.num_compilations == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The inductor options of the sparse program
 

@@ -32,7 +32,8 @@ The fast paths, by name (``FAST_PATHS``):
   then recompile per value: counted and logged, never stale).
 - ``"dynamo_config"``: the ``torch._dynamo.config`` knobs torchdi sets per call
   (``capture_scalar_outputs``, ``recompile_limit``, ``accumulated_recompile_limit``, the logging
-  knob). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
+  knob, ``record_runtime_overhead`` off: no profiler markers in the transformed bytecode, left out
+  silently where torch lacks it). A knob torch does not have is left out (``torch.compile(recompile_limit=...)`` is used
   where torch has that argument). ``caching_precompile`` is turned off around every torchdi
   compilation (``sound_settings``: it drops guards rule 7 needs).
 - ``"as_tensor_handler"``: an entry for ``torch.as_tensor`` in dynamo's table of special

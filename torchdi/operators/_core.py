@@ -550,6 +550,8 @@ def _unwrapped_described(x: Any, tangents: Any, contexts: Sequence[Any], keep_st
     """The context values and the strict check's description of the call (``_received``), in one
     pass over the contexts; ``None`` when a context is not exactly a ``Constant``, ``Cache`` or
     ``State`` (``unwrap_contexts`` then names it or unwraps a subclass)."""
+    if not contexts:  # the common case: x alone (what _received returns, without its tuples)
+        return (), ((describe(x, keep_static),) if tangents is None else (describe(x, keep_static), describe(tangents)))
     values, kinds = [], []
     for context in contexts:
         kind = _CONTEXT_KINDS.get(type(context))

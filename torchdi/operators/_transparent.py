@@ -94,9 +94,15 @@ def tracked(tree: Any) -> bool:
     if kind is torch.Tensor or isinstance(tree, torch.Tensor):
         return bool(tree.requires_grad)
     if kind is tuple or kind is list:
-        return any(tracked(item) for item in tree)
+        for item in tree:  # noqa: SIM110  (a loop, not any(...): no generator object on every call)
+            if tracked(item):
+                return True
+        return False
     if kind is dict:
-        return any(tracked(item) for item in tree.values())
+        for item in tree.values():  # noqa: SIM110
+            if tracked(item):
+                return True
+        return False
     if kind in pytree.SUPPORTED_NODES:
         return any(tracked(leaf) for leaf in pytree.tree_leaves(tree))
     return False

@@ -60,6 +60,8 @@ def hessian(
         tensor([[6., 0.],
                 [0., 6.]])
     """
+    if out is None and has_aux is False:  # the plain call: nothing to wrap or write (~1 us less)
+        return run_operator("hessian", "hessian", f, backend, x, None, contexts, prep)[2]
     _, _, hess = result = run_operator("hessian", "hessian", f, backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     return with_aux_result(write_out(hess, out, "hessian"), result, has_aux)
 

@@ -86,6 +86,8 @@ def jacobian(
         tensor([[1., 0.],
                 [0., 1.]])
     """
+    if y is None and out is None and has_aux is False:  # the plain call: nothing to wrap or write (~1 us less)
+        return run_operator("jacobian", "jacobian", f, backend, x, None, contexts, prep)[1]
     value, jac = result = run_operator("jacobian", "jacobian", in_place(f, y, "jacobian", has_aux, x), backend, x, None, contexts, prep, has_aux=has_aux, detached=out is not None)
     write_value(value, y)
     return with_aux_result(write_out(jac, out, "jacobian"), result, has_aux)

@@ -1,0 +1,119 @@
+"""Where a prepared ``AutoSparse(AutoCompile())`` call spends its time, layer by layer.
+
+Times, for one problem of ``benchmarks/sparse.py``, the prepared operator call and the layers
+under it, each alone (thread CPU time per call, median of ``--repeats`` batches of ``--calls``
+calls, one thread): dynamo's guard check of the one compiled program, its transformed bytecode
+(AOTAutograd's and inductor's wrappers and the kernel), the compiled runner (both), the sparse
+runner (plus the CSR tensor), the CSR constructor alone, and the whole operator call. The layers
+are reached through torchdi's private attributes: a measuring tool, not an API.
+
+With ``--whole``, only the whole prepared call of every problem named by ``--only`` (repeatable),
+in ``--rounds`` rounds of ~5 ms batches interleaved across the problems, process CPU time: what
+to compare between two checkouts run one after the other.
+
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/sparse_breakdown.py [--only heat]
+[--whole --only heat --only "Rosenbrock N=200" --rounds 31]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sparse import scenarios  # type: ignore[import-not-found]
+
+import torchdi
+from torchdi.sparsity import decompression
+
+
+def per_call_us(call: Callable[[], Any], calls: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            call()
+        times.append((time.thread_time() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def prepared_call(op: str, f: Callable[..., Any], x: torch.Tensor, backend: Any) -> tuple[Any, Callable[[], Any]]:
+    prep = (torchdi.prepare_jacobian if op == "jacobian" else torchdi.prepare_hessian)(f, backend, x)
+    operator = torchdi.jacobian if op == "jacobian" else torchdi.hessian
+    return prep, lambda: operator(f, backend, x, prep=prep)
+
+
+def whole_calls(found: list[Any], rounds: int) -> None:
+    """The whole prepared call of each problem, interleaved: medians and quartiles of the rounds."""
+    backend = torchdi.AutoSparse(torchdi.AutoCompile())
+    calls = {}
+    for op, name, f, _, x in found:
+        _, call = prepared_call(op, f, x, backend)
+        per = per_call_us(call, 50, 3)
+        calls[name] = (call, max(1, int(5000 / per)))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (call, batch) in calls.items():
+            start = time.process_time()
+            for _ in range(batch):
+                call()
+            times[name].append((time.process_time() - start) / batch * 1e6)
+    print(f"whole prepared calls, {rounds} rounds; load average {os.getloadavg()}")
+    for name, values in times.items():
+        low, _, high = statistics.quantiles(values, n=4)
+        print(f"  {name}: median {statistics.median(values):.1f} us (quartiles {low:.1f}-{high:.1f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=None, metavar="TEXT", help="a part of the problem's name")
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--whole", action="store_true")
+    parser.add_argument("--rounds", type=int, default=31)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    wanted = args.only or ["heat"]
+    found = [case for case in scenarios(quick=True) if any(part in case[1] for part in wanted)]
+    if not found:
+        raise SystemExit(f"no problem named like {wanted!r}")
+    if args.whole:
+        whole_calls(found, args.rounds)
+        return
+    op, name, f, _, x = found[0]
+    backend = torchdi.AutoSparse(torchdi.AutoCompile())
+    prep, call = prepared_call(op, f, x, backend)
+    runner = prep.runner
+    fused = runner.fused
+    if fused is None or not fused.fast_path:
+        raise SystemExit("this preparation has no one-program fast path to break down")
+    seeds, cache = runner.fused_seeds, fused._cache
+    frame_locals = {"x": x, "tangents": seeds, "contexts": ()}
+    print(f"{op} {name}; load average {os.getloadavg()}")
+    print(f"  whole operator call: {per_call_us(call, args.calls, args.repeats):.1f} us")
+    grad_mode = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # as the operator runs the program (the guards check the grad mode)
+    try:
+        check, transformed = cache.entries[0]
+        if not check(frame_locals):
+            raise SystemExit("the program's guards do not pass outside the operator call")
+        *_, values, crow, col = transformed(x, seeds, ())
+        layers = {
+            "dynamo guard check": lambda: check(frame_locals),
+            "transformed bytecode (wrappers + kernel)": lambda: transformed(x, seeds, ()),
+            "compiled runner": lambda: fused(x, seeds, ()),
+            "sparse runner (+ CSR tensor)": lambda: runner.checked_call(x, None, ()),
+            "CSR tensor alone": lambda: decompression.csr(crow, col, values, runner.shape),
+        }
+        for label, call in layers.items():
+            print(f"  {label}: {per_call_us(call, args.calls, args.repeats):.1f} us")
+    finally:
+        torch.set_grad_enabled(grad_mode)
+
+
+if __name__ == "__main__":
+    main()
