@@ -8,7 +8,7 @@ batches. Contenders, each on its own copy of the model from the same seed:
 - ``FSDP2 + torch.compile(model)``: the same with the sharded model compiled.
 - ``torchdi FSDP2``: the same sharded model, ``params = dict(model.named_parameters())`` (DTensors),
   ``td.value_and_gradient(loss_fn, DataParallel(AutoCompile()), ..., out=td.into_grad(params))``:
-  all-gather, gradient and reduce-scatter in one compiled program.
+  all-gather, gradient and reduce-scatter in one compiled program, unit by unit.
 - ``torchdi FSDP2 eager``: the same on ``DataParallel(AutoAutograd())``: FSDP2's own hooks
   gather and reduce unit by unit (as ``FSDP2 eager``).
 - ``torch.compile(DDP(model))``: a replicated model, DDP's bucketed all-reduce in backward hooks.
@@ -23,8 +23,8 @@ all from the same run.
 ``--memory`` measures instead, per process, the peak memory of three steps and of the preparation,
 and steps/s, of FSDP2 eager against torchdi on ``DataParallel(AutoAutograd())`` (FSDP2's own
 hooks, unit by unit), ``DataParallel(AutoFunc())`` (unit by unit, as differentiable operations)
-and ``DataParallel(AutoCompile(compiler="aot_eager"))`` (all shards at once, in one compiled
-program), on a model whose parameters dominate (an MLP of eight 1024x1024 layers, 8.4M
+and ``DataParallel(AutoCompile(compiler="aot_eager"))`` and ``DataParallel(AutoCompile())``
+(inductor) (unit by unit, in one compiled program), on a model whose parameters dominate (an MLP of eight 1024x1024 layers, 8.4M
 parameters, each layer and the root ``fully_shard``-ed): each contender runs in its own pair of
 fresh processes and reports the largest resident set size (``/proc/self/statm``, sampled every
 0.5 ms by a thread) during three steps, above the resident size before the first of them (model,
@@ -280,11 +280,13 @@ MEMORY_BACKENDS: dict[str, Any] = {
     "torchdi DataParallel(AutoAutograd())": td.AutoAutograd(),
     "torchdi DataParallel(AutoFunc())": td.AutoFunc(),
     "torchdi DataParallel(AutoCompile(aot_eager))": td.AutoCompile(compiler="aot_eager"),
+    "torchdi DataParallel(AutoCompile())": td.AutoCompile(),
 }
 MEMORY_NOTES = {
     "torchdi DataParallel(AutoAutograd())": "FSDP2's own hooks, unit by unit",
     "torchdi DataParallel(AutoFunc())": "unit by unit, as differentiable operations",
-    "torchdi DataParallel(AutoCompile(aot_eager))": "all shards at once, one compiled program",
+    "torchdi DataParallel(AutoCompile(aot_eager))": "unit by unit, one compiled program",
+    "torchdi DataParallel(AutoCompile())": "inductor, unit by unit, one compiled program",
 }
 
 

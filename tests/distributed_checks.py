@@ -103,6 +103,7 @@ BACKENDS = {
     "autograd": td.AutoAutograd(),
     "func": td.AutoFunc(),
     "compile": td.AutoCompile(compiler="aot_eager"),
+    "inductor": td.AutoCompile(),
 }
 
 
@@ -303,6 +304,7 @@ CHECKS = {
     "fsdp-mlp-compile": lambda: train_fsdp("mlp", "compile"),
     "fsdp-gpt2-func": lambda: train_fsdp("gpt2", "func"),
     "fsdp-gpt2-compile": lambda: train_fsdp("gpt2", "compile"),
+    "fsdp-mlp-inductor": lambda: train_fsdp("mlp", "inductor"),
     "ddp-mlp-func": lambda: train_ddp("mlp", "func"),
     "ddp-mlp-autograd": lambda: train_ddp("mlp", "autograd"),
     "ddp-mlp-compile": lambda: train_ddp("mlp", "compile"),

@@ -165,9 +165,11 @@ def test_fsdp2_training_equals_the_eager_fsdp2_loop(check):
         # multiple of 2 processes: both Linears here (33 rows -> 34, 3 rows -> 4), no flat bucket
         assert result["staged"] == (34 * 10 + 34 + 4 * 33 + 4) * 4
     elif check == "fsdp-mlp-compile":
-        # one bucket: one all-gather of the shards, one reduce-scatter (gloo runs it as an
-        # all-reduce) of the gradients, one all-reduce of the value, per step
-        assert result["collectives"] == {"gloo:all_gather": 1, "gloo:all_reduce": 2}
+        # unit by unit inside the compiled program (schedule_units): each Linear all-gathered once
+        # before its forward (the first one's backward needs no weight: the input takes no
+        # gradient; the last one's follows its forward at once), its gradients reduce-scattered
+        # once (gloo runs it as an all-reduce), one all-reduce of the value, per step
+        assert result["collectives"] == {"gloo:all_gather": 2, "gloo:all_reduce": 3}
 
 
 @pytest.mark.parametrize("check", [c for c in TWO_PROCESS_CHECKS if c.startswith("ddp-")])
@@ -255,6 +257,22 @@ def test_gpt2_compiled_fsdp2_and_data_parallel_equal_the_eager_loops():
 
 
 @pytest.mark.slow
+@pytest.mark.inductor
+def test_fsdp2_on_inductor_gathers_unit_by_unit_and_equals_the_eager_loop():
+    """The unit-by-unit pass as an inductor post-grad pass: 10 Adam steps on the FSDP2 MLP equal
+    eager FSDP2's (to rounding: inductor fuses), with the collectives of the aot_eager program."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHECKS.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(CHECKS), "fsdp-mlp-inductor"], env=env, capture_output=True, text=True, timeout=600)
+    results = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in done.stdout.splitlines() if line.startswith("CHECK ")}
+    assert set(results) == {"fsdp-mlp-inductor"}, done.stdout[-3000:] + done.stderr[-3000:]
+    result = results["fsdp-mlp-inductor"]
+    assert "exception" not in result, result.get("exception")
+    assert result["difference"] <= 1e-5 and result["moved"] > 1e-2 and result["placements"]
+    assert result["compilations"] == 1
+    assert result["collectives"] == {"gloo:all_gather": 2, "gloo:all_reduce": 3}
+
+
+@pytest.mark.slow
 def test_fsdp_example_matches_eager_fsdp2():
     example = EXAMPLE.parent / "train_fsdp.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(example.parents[1]), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
@@ -283,3 +301,84 @@ def test_data_parallel_updates_state_buffers_once(single_process_group):
         torch.testing.assert_close(got_g[name], want_g[name])
     for name in want_b:
         torch.testing.assert_close(got_b[name], want_b[name])
+
+
+def _gathered_program(group_name: str):
+    """Three FSDP2-like units as AOTAutograd flattens DataParallel(AutoCompile()): every unit's
+    shard all-gathered first, the gradient of f on the full weights (forward and backward), the
+    gradients reduce-scattered last."""
+    c10d = torch.ops._c10d_functional
+
+    def program(s1, s2, s3, x):
+        w1, w2, w3 = (c10d.wait_tensor(c10d.all_gather_into_tensor(s, 1, group_name)) for s in (s1, s2, s3))
+
+        def f(w1, w2, w3):
+            return torch.tanh(torch.tanh(torch.tanh(x @ w1) @ w2) @ w3).sum()
+
+        grads = torch.func.grad(f, argnums=(0, 1, 2))(w1, w2, w3)
+        return tuple(c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", 1, group_name)) for g in grads)
+
+    return program
+
+
+def _live_peak(graph: torch.fx.Graph, which) -> int:
+    """The most tensors made by nodes ``which`` accepts that are alive at once, running ``graph``
+    in its order (a value dies after its last use)."""
+    nodes = list(graph.nodes)
+    last = {node: max((nodes.index(user) for user in node.users), default=nodes.index(node)) for node in nodes}
+    return max(sum(1 for node in nodes[: i + 1] if which(node) and last[node] >= i) for i in range(len(nodes)))
+
+
+def test_schedule_units_gathers_and_reduces_one_unit_at_a_time(single_process_group):
+    """AOTAutograd's graph of a DataParallel(AutoCompile()) step, rescheduled: each unit's weight
+    gathered just before its forward and again before its backward when another unit ran in
+    between, each gradient reduce-scattered as soon as it exists; the results unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchdi._distributed_private import schedule_units
+
+    c10d = torch.ops._c10d_functional
+    program = _gathered_program(dist.group.WORLD.group_name)
+    inputs = [torch.randn(8, 8, dtype=torch.float64) for _ in range(3)] + [torch.randn(4, 8, dtype=torch.float64)]
+    traced = make_fx(program)(*inputs)
+    expected = traced(*inputs)
+
+    def gathered(node):  # a full weight
+        return node.target is c10d.wait_tensor.default and node.args[0].target is c10d.all_gather_into_tensor.default
+
+    def full_gradient(node):  # what a reduce-scatter reduces
+        return any(user.target is c10d.reduce_scatter_tensor.default for user in node.users)
+
+    assert _live_peak(traced.graph, gathered) == 3 and _live_peak(traced.graph, full_gradient) == 3
+    assert schedule_units(traced.graph)
+    traced.recompile()
+    order = [node.target for node in traced.graph.nodes]
+    # w1 (its backward needs no weight: x takes no gradient), w2, w3 (forward, then its backward
+    # at once), w2 again for its backward
+    assert order.count(c10d.all_gather_into_tensor.default) == 4
+    assert order.count(c10d.reduce_scatter_tensor.default) == 3
+    assert _live_peak(traced.graph, gathered) == 1 and _live_peak(traced.graph, full_gradient) == 1
+    for got, want in zip(traced(*inputs), expected):
+        assert torch.equal(got, want)
+    assert not schedule_units(traced.graph)  # (scheduled already: nothing more to move)
+
+
+def test_schedule_units_leaves_a_graph_that_writes_into_a_shard_as_traced(single_process_group):
+    """A copy of a gather reads its shard again later: where the graph writes into that shard, the
+    pass changes nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchdi._distributed_private import schedule_units
+
+    program = _gathered_program(dist.group.WORLD.group_name)
+
+    def writes(s1, s2, s3, x):
+        grads = program(s1, s2, s3, x)
+        s1.add_(1.0)
+        return grads
+
+    inputs = [torch.randn(8, 8, dtype=torch.float64) for _ in range(3)] + [torch.randn(4, 8, dtype=torch.float64)]
+    traced = make_fx(writes)(*[t.clone() for t in inputs])
+    before = [node.format_node() for node in traced.graph.nodes]
+    assert not schedule_units(traced.graph)
+    assert [node.format_node() for node in traced.graph.nodes] == before

@@ -518,6 +518,28 @@ def test_data_parallel_func_without_layer_by_layer_gathers_every_shard_at_once(s
     assert len(_warnings_naming(caplog, "layer_by_layer")) == 1
 
 
+@pytest.mark.parametrize("missing", ["_AOT_EAGER_PARTS", "_SCHEDULE_OPS"])
+def test_data_parallel_compile_without_the_unit_schedule_gathers_every_shard_at_once(single_process_group, monkeypatch, caplog, missing):
+    """Without the parts of aot_eager (or the _c10d_functional operators) the compiled program of
+    DataParallel(AutoCompile()) is not rescheduled unit by unit: every shard gathered at once, the
+    same gradients, one warning."""
+    from torchdi import _distributed_private
+
+    model, reference = _fsdp_model()
+    data = torch.randn(5, 3)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain.load_state_dict(reference)
+    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    monkeypatch.setattr(_distributed_private, missing, None)
+    monkeypatch.setattr(_distributed_private.fence, "warned", set())
+    backend = td.distributed.DataParallel(BACKEND)
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        got = td.gradient(_fsdp_loss, backend, dict(model.named_parameters()), td.Constant(model), td.Constant(data))
+    for name in want:
+        torch.testing.assert_close(got[name].full_tensor(), want[name])
+    assert len(_warnings_naming(caplog, "unit_schedule")) == 1
+
+
 @pytest.fixture
 def without_tensor_internal(monkeypatch):
     """``without_tensor_internal(name)``: this torch lacks ``Tensor._version`` / ``Tensor._base``."""

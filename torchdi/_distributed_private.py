@@ -24,11 +24,22 @@ Fast paths (``FAST_PATHS``):
   transform (where writing into a tensor made outside it is refused; the refill writes memory
   the transform never sees as a tensor of its own). Fallback: every shard gathered at once
   around ``f`` (the same results; the whole parameters held at the peak).
+- ``"unit_schedule"``: ``torch._dynamo.backends.common.aot_autograd``, ``functorch.compile``'s
+  ``boxed_nop`` and ``min_cut_rematerialization_partition`` (torch 2.1 .. 2.14.1; what torch's
+  own ``aot_eager`` backend is made of) and the ``_c10d_functional`` operators (torch 2.3 ..
+  2.14.1): under ``DataParallel(AutoCompile(compiler="aot_eager"))`` a pass over AOTAutograd's
+  graph (``schedule_units``) moves each FSDP2 unit's all-gather to just before the unit first
+  uses it, gathers it again before a later use (its backward), and moves each reduce-scatter to
+  just after the gradients it reduces exist, so that the compiled program holds about one unit's
+  full parameters and gradients at a time. Fallback: the graph as traced, which gathers every
+  shard at once (the same results; the whole parameters held at the peak).
 """
 
 from __future__ import annotations
 
+import operator
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +55,8 @@ __all__ = [
     "layer_by_layer",
     "outside_functorch",
     "put_parameter",
+    "schedule_units",
+    "unit_scheduled_compiler",
 ]
 
 FAST_PATHS = {
@@ -51,9 +64,14 @@ FAST_PATHS = {
     "fsdp_hooks": "switching FSDP2's own forward hooks off (torch.nn.Module._forward_pre_hooks, _forward_hooks)",
     "layer_by_layer": "gathering FSDP2 units one at a time under torch.func "
     "(torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack, torch.nn.Module._parameters)",
+    "unit_schedule": "gathering FSDP2 units one at a time inside the compiled program "
+    "(torch._dynamo.backends.common.aot_autograd, torch.ops._c10d_functional)",
 }
 
-fence = Fence(FAST_PATHS, costs={"layer_by_layer": "which gathers every parameter at once (the same results, more memory per process)"})
+fence = Fence(FAST_PATHS, costs={
+    "layer_by_layer": "which gathers every parameter at once (the same results, more memory per process)",
+    "unit_schedule": "the compiled program then gathers every parameter at once (the same results, more memory per process)",
+})
 
 _UNPROBED: Any = object()
 
@@ -189,3 +207,225 @@ def is_fsdp_hook(hook: Any) -> bool:
     (``FSDPState._pre_forward`` and ``_post_forward``), matched by the state's class name. A hook
     not recognised stays on (its FSDPModule is then refused at preparation)."""
     return type(getattr(hook, "__self__", None)).__name__ == "FSDPState"
+
+
+# -- unit by unit inside the compiled program ("unit_schedule") -----------------------------------
+#
+# DataParallel(AutoCompile()) traces one program: all-gather the shards (one collective per FSDP2
+# unit), the gradient of f on the full parameters (torch.func, flattened by AOTAutograd into one
+# graph of forward and backward operations), reduce-scatter each unit's gradient. As traced, every
+# unit's full parameters are gathered at the start and live until the last backward operation
+# that reads them, and every full gradient lives until the reductions at the end: the whole model
+# at the peak. FSDP2's schedule is a reordering of that graph plus a recomputation, which this
+# pass makes:
+#
+# - each all-gather (with the operations that pad and flatten its shards before it, and the views
+#   and copies that cut its result into parameters after it: operations that only move or copy
+#   those values) is copied to just before each *stretch* of the graph that uses it, a stretch
+#   ending where another unit's gathered parameters are used (so: once before the unit's forward,
+#   once more before its backward), and the original removed. The copies compute the same values
+#   from the same shards (collectives of the same inputs, views, copies: nothing random);
+# - each reduce-scatter (with the operations that pad and flatten its gradients, and its wait) is
+#   moved to just after the last of the gradients it reduces is computed.
+#
+# Nothing else moves, so every process (whose graphs differ only in the shapes of its own shards,
+# all of which stay inside the moved groups) issues the same collectives in the same order.
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name) for name in names)
+
+
+def _schedule_ops() -> tuple[Any, Any, Any, frozenset[Any], frozenset[Any]]:
+    c10d = torch.ops._c10d_functional
+    moves = _packets("view", "_unsafe_view", "reshape", "slice", "select", "t", "transpose", "permute", "expand",
+                     "alias", "detach", "squeeze", "unsqueeze", "clone", "_to_copy", "split", "split_with_sizes",
+                     "as_strided", "contiguous")
+    packs = moves | _packets("cat", "constant_pad_nd")
+    return (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, moves, packs)
+
+
+def _import_aot_eager_parts() -> tuple[Any, Any, Any]:
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop  # (what torch's aot_eager is made of)
+
+    return aot_autograd, boxed_nop, min_cut_rematerialization_partition
+
+
+_SCHEDULE_OPS: Any = _UNPROBED
+_AOT_EAGER_PARTS: Any = _UNPROBED
+
+
+def _is(node: torch.fx.Node, packets: frozenset[Any], extra: tuple[Any, ...] = ()) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem or target in extra:
+        return True
+    return getattr(target, "overloadpacket", None) in packets
+
+
+def _upstream(root: torch.fx.Node, order: dict[torch.fx.Node, int], packs: frozenset[Any], group: set[torch.fx.Node]) -> None:
+    """Add to ``group`` the packing operations before ``root`` that only ``group`` uses."""
+    pending = list(root.all_input_nodes)
+    while pending:
+        pending.sort(key=order.__getitem__)
+        node = pending.pop()  # the latest first: its users are decided before its inputs
+        if node in group or not _is(node, packs) or not all(user in group for user in node.users):
+            continue
+        group.add(node)
+        pending.extend(node.all_input_nodes)
+
+
+def schedule_units(graph: torch.fx.Graph) -> bool:
+    """Reorder ``graph`` (AOTAutograd's, of a ``DataParallel(AutoCompile())`` program) so that it
+    gathers and reduces FSDP2 units one at a time (see above). Returns whether it changed it.
+
+    Raises ``AttributeError`` where this torch lacks the ``_c10d_functional`` operators."""
+    global _SCHEDULE_OPS
+    if _SCHEDULE_OPS is _UNPROBED:
+        _SCHEDULE_OPS = probe(_schedule_ops)
+    if _SCHEDULE_OPS is None:
+        raise AttributeError("torch.ops._c10d_functional")
+    gather_op, reduce_op, wait_op, moves, packs = _SCHEDULE_OPS
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    gathers = [node for node in nodes if node.target is gather_op]
+    reduces = [node for node in nodes if node.target is reduce_op]
+    if len(gathers) + len(reduces) < 2:
+        return False
+    # Each gather's group: its packing, the collective, and what cuts its result (in graph order).
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}
+    for gather in gathers:
+        group = {gather}
+        for node in nodes[order[gather] + 1:]:
+            if _is(node, moves, (wait_op,)) and node.all_input_nodes and all(n in group for n in node.all_input_nodes):
+                group.add(node)
+        _upstream(gather, order, packs, group)
+        if any(node in owner for node in group):
+            return False  # (groups that share operations: left as traced)
+        groups[gather] = sorted(group, key=order.__getitem__)
+        owner.update((node, gather) for node in group)
+    # A copy reads its shards again later, a reduce-scatter moved up reads its gradients earlier:
+    # refused where the graph writes into a tensor they read (AOTAutograd's graphs are functional,
+    # inductor's until its reinplacing, which runs after this pass; input mutations at the end).
+    written = {n for node in nodes if getattr(getattr(node.target, "_schema", None), "is_mutable", False) for n in node.all_input_nodes}
+    if any(n in written for members in groups.values() for node in members for n in node.all_input_nodes):
+        return False
+    uses = {g: sorted({u for n in members for u in n.users if u not in owner}, key=order.__getitem__) for g, members in groups.items()}
+    used_at = sorted((order[u], g) for g, us in uses.items() for u in us)
+    changed = False
+    for gather, members in groups.items():
+        stretches: list[list[torch.fx.Node]] = []
+        for use in uses[gather]:
+            if stretches:
+                start, end = order[stretches[-1][-1]], order[use]
+                if not any(start < at < end and other is not gather for at, other in used_at):
+                    stretches[-1].append(use)
+                    continue
+            stretches.append([use])
+        if len(stretches) == 1 and order[stretches[0][0]] == order[members[-1]] + 1:
+            continue  # used in one stretch, right after it is made
+        for stretch in stretches:
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+            with graph.inserting_before(stretch[0]):
+                for node in members:
+                    copies[node] = graph.node_copy(node, lambda n, copies=copies: copies.get(n, n))  # type: ignore[misc]
+            for use in stretch:
+                for node in use.all_input_nodes:
+                    if node in copies:
+                        use.replace_input_with(node, copies[node])
+        for node in reversed(members):
+            if not node.users:
+                graph.erase_node(node)
+        changed = True
+    # Each reduce-scatter (its packing before, its wait after) just after its inputs exist.
+    for reduce in reduces:
+        group = {reduce}
+        _upstream(reduce, {n: i for i, n in enumerate(graph.nodes)}, packs, group)
+        group.update(user for user in reduce.users if user.target is wait_op)
+        if any(n in written for node in group for n in node.all_input_nodes):
+            continue
+        for node in [n for n in graph.nodes if n in group]:
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            inputs = node.all_input_nodes
+            if not inputs:
+                continue
+            latest = max(inputs, key=position.__getitem__)
+            if position[node] != position[latest] + 1:
+                latest.append(node)
+                changed = True
+    graph.lint()
+    return changed
+
+
+def _import_inductor_parts() -> tuple[type, type]:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return torch._TorchCompileInductorWrapper, CustomGraphPass
+
+
+_INDUCTOR_PARTS: Any = _UNPROBED
+_SCHEDULE_PASS: Any = None
+
+
+def _inductor_pass() -> Any:
+    """``schedule_units`` as an inductor post-grad pass (a ``CustomGraphPass``, whose uuid keys
+    inductor's cache on this file's text)."""
+    global _SCHEDULE_PASS
+    if _SCHEDULE_PASS is None:
+        base = _INDUCTOR_PARTS[1]
+
+        class SchedulePass(base):  # type: ignore[misc, valid-type]
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                try:
+                    schedule_units(graph)
+                except AttributeError as error:  # (the graph stays as traced)
+                    fence.warn_off("unit_schedule", str(error))
+
+            def uuid(self) -> Any:
+                from torch._inductor.custom_graph_pass import get_hash_for_files
+
+                return get_hash_for_files((__file__,))
+
+        _SCHEDULE_PASS = SchedulePass()
+    return _SCHEDULE_PASS
+
+
+def unit_scheduled_compiler(compiler: str, mode: str | None = None, options: dict[str, Any] | None = None,
+                            dynamic: bool | None = None) -> Callable[..., Any] | None:
+    """A dynamo backend that is ``compiler`` (``"aot_eager"`` or ``"inductor"``, with ``mode``,
+    ``options``, ``dynamic``) with ``schedule_units`` applied to AOTAutograd's graph, or ``None``
+    where it cannot be made (another compiler, or a torch without the parts: the caller then
+    compiles the graph as traced, every shard at once)."""
+    global _AOT_EAGER_PARTS, _INDUCTOR_PARTS
+    if compiler == "inductor":
+        if _INDUCTOR_PARTS is _UNPROBED:
+            _INDUCTOR_PARTS = probe(_import_inductor_parts)
+        if _INDUCTOR_PARTS is None or (options or {}).get("post_grad_custom_post_pass") is not None:
+            fence.warn_off("unit_schedule")
+            return None
+        wrapper = _INDUCTOR_PARTS[0]
+        return wrapper(mode, {**(options or {}), "post_grad_custom_post_pass": _inductor_pass()}, dynamic)
+    if compiler != "aot_eager":
+        return None
+    if _AOT_EAGER_PARTS is _UNPROBED:
+        _AOT_EAGER_PARTS = probe(_import_aot_eager_parts)
+    if _AOT_EAGER_PARTS is None:
+        fence.warn_off("unit_schedule")
+        return None
+    aot_autograd, boxed_nop, partition = _AOT_EAGER_PARTS
+
+    def scheduled(module: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        try:
+            if schedule_units(module.graph):
+                module.recompile()
+        except AttributeError as error:
+            fence.warn_off("unit_schedule", str(error))
+        return boxed_nop(module, example_inputs)
+
+    return aot_autograd(fw_compiler=scheduled, bw_compiler=boxed_nop, inference_compiler=scheduled,
+                        partition_fn=partition, keep_inference_input_mutations=True)

@@ -9,7 +9,8 @@ for the tensors passed in). The remedies:
 
 - ``DataParallel(backend)``: a backend whose gradients are reduced across processes. Plain
   ``x`` is all-reduced in flat buckets; FSDP2 DTensor ``x`` is all-gathered before ``f`` and its
-  gradient reduce-scattered after, as FSDP2 does; on ``AutoCompile`` inside the compiled program.
+  gradient reduce-scattered after, as FSDP2 does; on ``AutoCompile`` inside the compiled program,
+  one unit at a time (``unit_buckets``, and the compiler's pass ``schedule_units``).
   On ``AutoAutograd``, FSDP2 ``x`` that is the modules' own parameters runs FSDP2's own hooks
   instead (``FsdpUnits``): gathered layer by layer, with FSDP2's memory and prefetching. On
   ``AutoFunc``, ``f`` receives the shards and ``functional_call`` gathers each FSDP2 unit while
@@ -25,6 +26,7 @@ inside ``f``, rather than return silently wrong gradients (``refuse_data_paralle
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -973,6 +975,41 @@ class Layout:
                     out[i] = piece * scale if op == "mean" else piece.clone()
                     offset += n
         return value, out
+
+
+def unit_buckets(layout: Layout, x: Any, contexts: tuple[Any, ...]) -> Layout:
+    """``layout`` with one bucket per FSDP2 unit (of the modules among ``contexts``) instead of
+    buckets by size, when every leaf of sharded ``x`` is one of their parameters; else ``layout``.
+
+    One all-gather and one reduce-scatter per unit is what FSDP2 issues; in the compiled program
+    it lets ``schedule_units`` gather and reduce one unit at a time (buckets that mix units would
+    bring a unit's neighbours along)."""
+    fsdp: Any = _fsdp_module_type()
+    if not layout.sharded or fsdp is None:
+        return layout
+    leaves = pytree.tree_leaves(x)
+    where = {_storage_key(leaf): i for i, leaf in enumerate(leaves)}
+    if len(where) != len(leaves):
+        return layout  # (one tensor twice in x)
+    buckets: list[tuple[int, ...]] = []
+    for root in [m for m in pytree.tree_leaves(contexts) if isinstance(m, torch.nn.Module)]:
+        if not any(isinstance(m, fsdp) for m in root.modules()):
+            continue
+        plan = _module_plan(root)
+        if plan is None:
+            return layout
+        for unit in plan.units:
+            indices = [where.pop(_storage_key(root.get_parameter(name)), None) for name in unit.names]
+            if any(i is None for i in indices):
+                return layout
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in indices:
+                assert i is not None
+                by_dtype.setdefault(leaves[i].dtype, []).append(i)
+            buckets.extend(tuple(b) for b in by_dtype.values())
+    if where or not buckets:
+        return layout  # (a leaf of x that no unit gathers)
+    return dataclasses.replace(layout, buckets=tuple(buckets))
 
 
 def _funcol() -> Any:

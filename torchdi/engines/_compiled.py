@@ -219,12 +219,12 @@ class _CountingCompiler:
     It holds its runner weakly: dynamo keeps every backend it has seen in a module-level cache.
     """
 
-    def __init__(self, owner: CompiledRunner, backend: AutoCompile) -> None:
+    def __init__(self, owner: CompiledRunner, backend: AutoCompile, compiler: Any = None) -> None:
         self.owner = weakref.ref(owner)
         options = dict(backend.options) if backend.options else None
         if backend.compiler == "inductor":
             options = inductor_options(options)
-        self.compiler: Any = compiler_for(backend.compiler, backend.mode, options, backend.dynamic)
+        self.compiler: Any = compiler if compiler is not None else compiler_for(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -296,7 +296,8 @@ class CompiledRunner:
     """
 
     def __init__(
-        self, runner: Any, backend: AutoCompile, family: str, function_name: str, state_contexts: tuple[int, ...] = (), can_drop_value: bool = False
+        self, runner: Any, backend: AutoCompile, family: str, function_name: str, state_contexts: tuple[int, ...] = (), can_drop_value: bool = False,
+        compiler: Any = None,
     ) -> None:
         self.num_compilations = 0
         self.num_graphs = 0
@@ -329,7 +330,9 @@ class CompiledRunner:
         self.value_free = threading.local()
         self.buffers: tuple[Any, Any, Any] | None = None
         self._compiled: Any = None
-        self._compiler = _CountingCompiler(self, backend)
+        # (compiler: a dynamo backend used instead of the one backend names, e.g. DataParallel's
+        # aot_eager with its unit-by-unit pass; backend's other settings still apply)
+        self._compiler = _CountingCompiler(self, backend, compiler)
         self._entry_holder: list[Any] = []  # the entry point, once made: what the finalizer releases
         weakref.finalize(self, release, id(self._compiler), self._entry_holder)
 

@@ -5,8 +5,9 @@ tensors, or FSDP2 DTensors sharded on dim 0). Each call takes the local tensors 
 gathers them whole, runs the wrapped backend's gradient on them with FSDP2's hooks kept out,
 then reduces value and gradient (all-reduce, or reduce-scatter back to the shards) and wraps
 sharded gradients as DTensors again. On ``AutoCompile`` the gather, the gradient and the
-reduction are one compiled program (functional collectives are traceable); on eager backends
-the same functions run eagerly. Two routes gather unit by unit instead: FSDP2's own hooks on
+reduction are one compiled program (functional collectives are traceable), with one collective
+per FSDP2 unit that a pass over the compiled graph moves next to the unit's forward and backward
+(``_distributed_private.schedule_units``); on eager backends the same functions run eagerly. Two routes gather unit by unit instead: FSDP2's own hooks on
 ``AutoAutograd`` (``distributed.FsdpUnits``), and on ``AutoFunc`` the wrapped gradient of ``f`` on
 the shards, whose ``functional_call`` gathers each unit while it runs (``distributed.LayeredCall``).
 """
@@ -18,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi._distributed_private import layer_by_layer
+from torchdi._distributed_private import layer_by_layer, unit_scheduled_compiler
 from torchdi.backends import AutoAutograd, AutoCompile, AutoFunc, DataParallel
 from torchdi.distributed import (
     FsdpUnits,
@@ -28,8 +29,9 @@ from torchdi.distributed import (
     require_process_group,
     running_gathered,
     running_layered,
+    unit_buckets,
 )
-from torchdi.engines._compiled import CompiledRunner
+from torchdi.engines._compiled import CompiledRunner, inductor_options
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
 
@@ -68,9 +70,19 @@ class DataParallelRunner:
         if isinstance(wrapped, AutoFunc) and self.layout.sharded and self.layered is None and layer_by_layer():
             self.layered = build_runner(wrapped, "gradient", self.f, self.spec)
         eager = wrapped.inner if isinstance(wrapped, AutoCompile) else wrapped
+        compiler = None
+        if isinstance(wrapped, AutoCompile) and self.layout.sharded:
+            # One all-gather and one reduce-scatter per FSDP2 unit, which the compiler's pass
+            # (schedule_units) moves next to the unit's forward and backward: the program holds
+            # about one unit's full parameters at a time, as FSDP2 does.
+            given = dict(wrapped.options) if wrapped.options else None
+            options = inductor_options(given) if wrapped.compiler == "inductor" else given
+            compiler = unit_scheduled_compiler(wrapped.compiler, wrapped.mode, options, wrapped.dynamic)
+            if compiler is not None:
+                self.layout = unit_buckets(self.layout, x, contexts)
         body = reduced_gradient(self.layout, build_runner(eager, "gradient", self.f, self.spec), self.backend.op)
         if isinstance(wrapped, AutoCompile):
-            compiled = CompiledRunner(body, wrapped, "gradient", getattr(self.f, "function_name", repr(self.f)))
+            compiled = CompiledRunner(body, wrapped, "gradient", getattr(self.f, "function_name", repr(self.f)), compiler=compiler)
             with running_gathered(contexts):
                 compiled.warm_up(self.layout.lower(x, who), tangents, contexts)
             self.inner = compiled
