@@ -9,6 +9,10 @@ without graph breaks; preparation with the caller's grad mode.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +44,7 @@ EAGER: dict[str, Any] = {
 }
 EAGER_IDS, EAGER_VALUES = list(EAGER), list(EAGER.values())
 AOT = AutoCompile(compiler="aot_eager")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tol(backend: Any) -> dict[str, float]:
@@ -714,6 +719,24 @@ def test_torch_compile_around_operators_has_no_graph_break(backend, family):
     torch._dynamo.reset()
     got = torch.compile(lambda x_: call(backend, x_, C) * 2, backend="aot_eager", fullgraph=True)(x)
     close(got, 2 * reference(x, C), backend)
+
+
+FIRST_CALL_COMPILED = """
+import torch, torchdi as td
+x = torch.linspace(0.5, 1.5, 5, dtype=torch.float64)
+step = torch.compile(lambda x: td.gradient(lambda y: (y ** 3).sum(), td.AutoFunc(), x) * 2, backend="aot_eager", fullgraph=True)
+assert torch.allclose(step(x), 6 * x ** 2)
+print("ok")
+"""
+
+
+def test_torch_compile_around_the_first_operator_call_of_a_process_has_no_graph_break():
+    # The tests above run after other torchdi calls in the same process; a user's first call may
+    # be the traced one (torchdi's one-time set-up, such as the protocols' members that
+    # runners.implements reads, must not happen inside the trace: it was a graph break).
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_torch_compile_around_a_prepared_operator_has_no_graph_break():

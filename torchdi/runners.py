@@ -131,8 +131,23 @@ class RunnerFunction(Protocol):
 # none of them). Read them with implements (isinstance's test, faster), never with getattr: a
 # typo is then a type error.
 
+P = TypeVar("P")
+T = TypeVar("T", bound=type)
+_MEMBERS: dict[Any, tuple[str, ...]] = {}
 
-@runtime_checkable
+
+def checkable(protocol: T) -> T:
+    """``typing.runtime_checkable``, and the protocol's members recorded for ``implements``.
+
+    Recorded here, at import, not on the first ``implements``: that first check can run while
+    dynamo traces an operator (``torch.compile(fullgraph=True)`` around the user's first torchdi
+    call), where filling a dict and then reading the protocol's ``__dict__`` is a graph break."""
+    names = {**vars(protocol), **vars(protocol).get("__annotations__", {})}
+    _MEMBERS[protocol] = tuple(sorted(name for name in names if not name.startswith("_")))
+    return runtime_checkable(protocol)
+
+
+@checkable
 class WarmsUp(Protocol):
     """A runner with work to do once, at preparation, on the preparation's arguments
     (compiling a program, detecting a sparsity pattern)."""
@@ -140,7 +155,7 @@ class WarmsUp(Protocol):
     def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> None: ...
 
 
-@runtime_checkable
+@checkable
 class HasCheckedCall(Protocol):
     """A runner with a faster entry for calls whose strict check has passed (the compiled
     engines then skip their own guards)."""
@@ -148,7 +163,7 @@ class HasCheckedCall(Protocol):
     def checked_call(self, x: Any, tangents: Any, contexts: tuple[Any, ...], /) -> tuple[Any, ...]: ...
 
 
-@runtime_checkable
+@checkable
 class DropsValue(Protocol):
     """A runner with a cheaper way to run when the caller drops the value (a compiled gradient:
     the value-free copy of its program, compiled at preparation beside it)."""
@@ -156,7 +171,7 @@ class DropsValue(Protocol):
     def without_value(self) -> Any: ...
 
 
-@runtime_checkable
+@checkable
 class CountsCompilations(Protocol):
     """A runner that compiles: ``num_compilations`` is what ``Prep.num_compilations`` sums."""
 
@@ -164,7 +179,7 @@ class CountsCompilations(Protocol):
     def num_compilations(self) -> int: ...
 
 
-@runtime_checkable
+@checkable
 class Publishes(Protocol):
     """A runner whose preparation has facts to show as ``Prep`` attributes (``AutoSparse``:
     ``sparsity_pattern``, ``ncolors``, ...)."""
@@ -173,16 +188,12 @@ class Publishes(Protocol):
     def published(self) -> dict[str, Any]: ...
 
 
-@runtime_checkable
+@checkable
 class HasPath(Protocol):
     """A runner with more than one way to run (``AutoXLA``: traced once, or its lazy fallback)."""
 
     @property
     def path(self) -> str | None: ...
-
-
-P = TypeVar("P")
-_MEMBERS: dict[Any, tuple[str, ...]] = {}
 
 
 def implements(obj: object, protocol: Callable[..., P]) -> TypeGuard[P]:
@@ -191,18 +202,14 @@ def implements(obj: object, protocol: Callable[..., P]) -> TypeGuard[P]:
 
     The same test as ``isinstance``, whose check of a protocol walks the protocol's classes on
     every call: 21 us a check on Python 3.11 (measured with ``timeit``), several per preparation;
-    this one reads the protocol's members once.
+    this one reads the members ``checkable`` recorded when the protocol was defined.
 
     Example::
 
         >>> implements(lambda x, t, c: (x,), WarmsUp)
         False
     """
-    members = _MEMBERS.get(protocol)
-    if members is None:
-        names = {**vars(protocol), **vars(protocol).get("__annotations__", {})}
-        members = _MEMBERS[protocol] = tuple(sorted(name for name in names if not name.startswith("_")))
-    return all(hasattr(obj, name) for name in members)
+    return all(hasattr(obj, name) for name in _MEMBERS[protocol])  # (KeyError: not declared @checkable)
 
 
 def warm_up(runner: Runner, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
@@ -230,7 +237,7 @@ def checked_entry(runner: Runner) -> Runner:
 # Engines and their registry
 
 
-@runtime_checkable
+@checkable
 class Engine(Protocol):
     """What ``torchdi.operators`` asks of a backend's engine.
 
@@ -253,7 +260,7 @@ class Engine(Protocol):
         ...
 
 
-@runtime_checkable
+@checkable
 class ServesEmpty(Protocol):
     """An engine whose runners of ``builds_empty`` also serve an empty ``x`` or ``f(x)`` (its own
     result layout and prep attributes), instead of the generic zero map."""
@@ -262,7 +269,7 @@ class ServesEmpty(Protocol):
     def builds_empty(self) -> frozenset[str]: ...
 
 
-@runtime_checkable
+@checkable
 class TranslatesContexts(Protocol):
     """An engine whose program sees context values translated (``to_device_tensor``): ``f``
     sees the same at preparation."""
