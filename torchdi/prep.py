@@ -166,7 +166,8 @@ class Prep:
         operator: the operator family it serves (``"gradient"`` serves ``gradient`` and
             ``value_and_gradient``).
         backend: the backend it was prepared for.
-        strict: whether each call checks the arguments' signatures.
+        strict: whether each call checks the arguments' signatures (``False``: those of ``x`` and
+            the tangents only, see above).
         num_compilations: how many graphs a compiler compiled for this preparation (0 for
             eager backends). It does not grow over calls that satisfy the rules (one program
             serves the operator and its ``value_`` variant), except when one of the compiler's
@@ -329,7 +330,7 @@ class Prep:
         ``received`` holds the descriptions of ``x``, the tangents and the contexts, named by
         ``names`` (the public names ``x``, ``tx``/``ty``, ``context 1..n``; default: the names
         given at preparation). ``None`` checks only the operator, ``f`` and the backend (what a
-        ``strict=False`` Prep still checks).
+        ``strict=False`` Prep checks besides the signatures of ``x`` and the tangents).
         """
         same_f = f is self.f or f == self.f
         same_backend = backend is self.backend or backend == self.backend
