@@ -487,7 +487,7 @@ def test_strict_false_skips_the_check(backend):
     prep = torchdi.prepare_gradient(scalar_valued, backend, torch.ones(2), strict=False)
     assert prep.strict is False
     x = torch.arange(5.0)
-    g = torchdi.gradient(scalar_valued, backend, x, prep=prep)  # other shape: not checked
+    g = torchdi.gradient(scalar_valued, backend, x, prep=prep)  # other shape: prepared again for it
     torch.testing.assert_close(g, 2 * x)
     strict = torchdi.prepare_gradient(scalar_valued, backend, torch.ones(2))
     with pytest.raises(PreparationMismatchError):

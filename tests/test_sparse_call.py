@@ -193,7 +193,8 @@ def test_the_one_program_is_refused_under_vmap_and_outer_autograd(hessian):
 def test_layout_dtype_and_shape_of_x_on_the_compiled_path(hessian):
     # The plain prepared call goes straight from the operator to the one program's guards: another
     # memory layout is copied to the compiled one, another dtype or shape is refused by the strict
-    # check (strict=False: dynamo's dtype guard fails and it recompiles), never a stale matrix.
+    # check (strict=False: prepared again for another dtype with the same pattern and colouring, one
+    # more compilation; another shape refused, the pattern is per shape), never a stale matrix.
     backend = td.AutoSparse(td.AutoCompile(compiler="aot_eager"))
     f = chained_rosenbrock if hessian else diff_square
     operator = td.hessian if hessian else td.jacobian
@@ -209,13 +210,14 @@ def test_layout_dtype_and_shape_of_x_on_the_compiled_path(hessian):
         with pytest.raises(td.PreparationMismatchError, match="x: mismatch"):
             operator(f, backend, other, prep=prep)
     assert torch.allclose(operator(f, backend, x, prep=prep).to_dense(), dense(f, x))
-    if not hessian:  # (a strict=False hessian keeps its float64 seeds: a float64 result, not checked here)
-        loose = prepare(f, backend, x, strict=False)
-        single = x.float() - 0.25
-        got = operator(f, backend, single, prep=loose)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.to_dense(), dense(f, single))
-        assert loose.num_compilations == before + 1
+    loose = prepare(f, backend, x, strict=False)
+    single = x.float() - 0.25
+    got = operator(f, backend, single, prep=loose)
+    assert got.dtype == torch.float32  # (the float64 seeds of the preparation made a float64 hessian)
+    torch.testing.assert_close(got.to_dense(), dense(f, single))
+    assert loose.num_compilations == before + 1
+    with pytest.raises(td.PreparationMismatchError, match=r"x: mismatch: expected Tensor\(shape=\(12,\).*received Tensor\(shape=\(13,\)"):
+        operator(f, backend, torch.rand(13, dtype=torch.float64), prep=loose)
 
 
 def test_the_transformed_code_calls_no_profiler_markers_and_runs_under_the_profiler():

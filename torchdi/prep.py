@@ -7,7 +7,7 @@ with: structure, type, shape, dtype and device of every leaf, never the values t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -155,16 +155,25 @@ class Prep:
     change freely. It keeps no reference to the user's ``x``, tangents or context values.
     A ``Prep`` is not thread-safe: use one per thread.
 
+    With ``strict=False`` a call whose ``x`` or tangents have another structure, shape, dtype or
+    device than at preparation is served by a preparation made again for them (kept in
+    ``variants``, at most ``MAX_VARIANTS``, for later calls like it), or refused with
+    ``PreparationMismatchError`` where the backend cannot prepare again soundly (an ``AutoSparse``
+    pattern is per shape of ``x``): what the prepared runners hold for one signature (seeds, bases,
+    step sizes, a sparsity pattern) never serves another.
+
     Attributes:
         operator: the operator family it serves (``"gradient"`` serves ``gradient`` and
             ``value_and_gradient``).
         backend: the backend it was prepared for.
-        strict: whether each call checks the arguments' signatures.
+        strict: whether each call checks the arguments' signatures (``False``: those of ``x`` and
+            the tangents only, see above).
         num_compilations: how many graphs a compiler compiled for this preparation (0 for
             eager backends). It does not grow over calls that satisfy the rules (one program
             serves the operator and its ``value_`` variant), except when one of the compiler's
             own guards fails (a global, a closure cell, the grad mode ... changed), exactly where
-            raw ``torch.compile`` would recompile.
+            raw ``torch.compile`` would recompile. A ``strict=False`` preparation counts those of
+            the preparations it made again for other ``x`` too.
         output_shape: shape of ``f(x, ...)`` at preparation (``None`` for pytree outputs).
     """
 
@@ -180,16 +189,21 @@ class Prep:
         "keep_static",
         "lean_call",
         "learned",
+        "loose_key",
         "operator",
         "output_shape",
         "point",
         "reads_tracked",
         "rebuild",
         "recompute_refusal",
+        "retired_compilations",
         "runner",
         "strict",
         "transparent_runners",
+        "variants",
     )
+
+    MAX_VARIANTS = 8  # (dynamo's own default recompile limit per code object)
 
     def __init__(
         self,
@@ -239,6 +253,13 @@ class Prep:
         # What a preparation under a torch.func transform learned about f's output, which later
         # one-shot calls there reuse (torchdi.operators._one_shot), or None. Set by prepare_operator.
         self.learned: Any = None
+        # strict=False: the descriptions of x (and the tangents) at preparation, which every call
+        # still compares (strict=False skips the contexts' signatures only: set by prepare_operator),
+        # the preparations made again for other ones (oldest first), and the compilations of those
+        # dropped beyond MAX_VARIANTS (num_compilations never goes down).
+        self.loose_key: tuple[Any, ...] = expected[:1]
+        self.variants: dict[Any, Prep] = {}
+        self.retired_compilations = 0
 
     def __getattr__(self, name: str) -> Any:
         # What a runner publishes about its preparation (AutoSparse: sparsity_pattern, ncolors, ...).
@@ -253,7 +274,30 @@ class Prep:
 
     @property
     def num_compilations(self) -> int:
-        return num_compilations(self.runner)
+        count = num_compilations(self.runner)
+        if self.variants or self.retired_compilations:
+            count += self.retired_compilations + sum(variant.num_compilations for variant in self.variants.values())
+        return count
+
+    def keep_variant(self, key: Any, variant: Prep) -> None:
+        """Keep ``variant``, prepared again for a ``strict=False`` call whose ``x`` (and tangents)
+        are described by ``key``, dropping the oldest beyond ``MAX_VARIANTS`` (an ``x`` whose shape
+        changes at every call must not keep a compiled program per shape alive)."""
+        if len(self.variants) >= self.MAX_VARIANTS:
+            oldest = next(iter(self.variants))
+            self.retired_compilations += self.variants.pop(oldest).num_compilations
+        self.variants[key] = variant
+
+    def refuse_x(self, operator: str, received: Any, why: str) -> NoReturn:
+        """Raise ``PreparationMismatchError`` for a ``strict=False`` call whose ``x`` (described by
+        ``received``) this preparation cannot serve, nor prepare again for; ``why`` says what works."""
+        expected = self.loose_key[0]
+        raise PreparationMismatchError(
+            f"{operator}: prep (prepared for {self.operator!r}, backend {self.backend!r}, strict=False) cannot serve this call:\n"
+            f"  x: mismatch: expected {_shorten(format_description(expected))}, "
+            f"received {_shorten(format_description(received))}{_hint(expected, received)}\n"
+            f"  {why}"
+        )
 
     def __repr__(self) -> str:
         # Engines with more than one way to run (AutoXLA: traced once, or its lazy fallback) say which.
@@ -286,7 +330,7 @@ class Prep:
         ``received`` holds the descriptions of ``x``, the tangents and the contexts, named by
         ``names`` (the public names ``x``, ``tx``/``ty``, ``context 1..n``; default: the names
         given at preparation). ``None`` checks only the operator, ``f`` and the backend (what a
-        ``strict=False`` Prep still checks).
+        ``strict=False`` Prep checks besides the signatures of ``x`` and the tangents).
         """
         same_f = f is self.f or f == self.f
         same_backend = backend is self.backend or backend == self.backend
