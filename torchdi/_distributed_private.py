@@ -24,15 +24,6 @@ Fast paths (``FAST_PATHS``):
   transform (where writing into a tensor made outside it is refused; the refill writes memory
   the transform never sees as a tensor of its own). Fallback: every shard gathered at once
   around ``f`` (the same results; the whole parameters held at the peak).
-- ``"unit_schedule"``: ``torch._dynamo.backends.common.aot_autograd``, ``functorch.compile``'s
-  ``boxed_nop`` and ``min_cut_rematerialization_partition`` (torch 2.1 .. 2.14.1; what torch's
-  own ``aot_eager`` backend is made of) and the ``_c10d_functional`` operators (torch 2.3 ..
-  2.14.1): under ``DataParallel(AutoCompile(compiler="aot_eager"))`` a pass over AOTAutograd's
-  graph (``schedule_units``) moves each FSDP2 unit's all-gather to just before the unit first
-  uses it, gathers it again before a later use (its backward), and moves each reduce-scatter to
-  just after the gradients it reduces exist, so that the compiled program holds about one unit's
-  full parameters and gradients at a time. Fallback: the graph as traced, which gathers every
-  shard at once (the same results; the whole parameters held at the peak).
 """
 
 from __future__ import annotations
@@ -237,13 +228,15 @@ def _packets(*names: str) -> frozenset[Any]:
     return frozenset(getattr(aten, name) for name in names)
 
 
-def _schedule_ops() -> tuple[Any, Any, Any, frozenset[Any], frozenset[Any]]:
+def _schedule_ops() -> tuple[Any, Any, Any, frozenset[Any], frozenset[Any], frozenset[Any]]:
     c10d = torch.ops._c10d_functional
     moves = _packets("view", "_unsafe_view", "reshape", "slice", "select", "t", "transpose", "permute", "expand",
                      "alias", "detach", "squeeze", "unsqueeze", "clone", "_to_copy", "split", "split_with_sizes",
                      "as_strided", "contiguous")
     packs = moves | _packets("cat", "constant_pad_nd")
-    return (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, moves, packs)
+    finishes = moves | _packets("mul", "div")
+    return (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, moves, packs,
+            finishes)
 
 
 def _import_aot_eager_parts() -> tuple[Any, Any, Any]:
@@ -279,6 +272,20 @@ def _upstream(root: torch.fx.Node, order: dict[torch.fx.Node, int], packs: froze
         pending.extend(node.all_input_nodes)
 
 
+def _downstream(group: set[torch.fx.Node], finishes: frozenset[Any]) -> None:
+    """Add to ``group`` the operations after it that read only ``group`` (the views that cut a
+    reduced gradient into parameters and the scaling by 1/world that makes the mean), so they
+    move with it: left at the end of the graph, inductor fuses every unit's scaling into one
+    kernel there, which holds every unit's reduced gradient and its scaled copy at once."""
+    pending = [user for node in group for user in node.users]
+    while pending:
+        node = pending.pop()
+        if node in group or not _is(node, finishes) or not all(n in group for n in node.all_input_nodes):
+            continue
+        group.add(node)
+        pending.extend(node.users)
+
+
 def schedule_units(graph: torch.fx.Graph) -> bool:
     """Reorder ``graph`` (AOTAutograd's, of a ``DataParallel(AutoCompile())`` program) so that it
     gathers and reduces FSDP2 units one at a time (see above). Returns whether it changed it.
@@ -289,7 +296,7 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
         _SCHEDULE_OPS = probe(_schedule_ops)
     if _SCHEDULE_OPS is None:
         raise AttributeError("torch.ops._c10d_functional")
-    gather_op, reduce_op, wait_op, moves, packs = _SCHEDULE_OPS
+    gather_op, reduce_op, wait_op, moves, packs, finishes = _SCHEDULE_OPS
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     gathers = [node for node in nodes if node.target is gather_op]
@@ -347,6 +354,7 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
         group = {reduce}
         _upstream(reduce, {n: i for i, n in enumerate(graph.nodes)}, packs, group)
         group.update(user for user in reduce.users if user.target is wait_op)
+        _downstream(group, finishes)
         if any(n in written for node in group for n in node.all_input_nodes):
             continue
         for node in [n for n in graph.nodes if n in group]:
