@@ -373,6 +373,43 @@ def test_schedule_units_gathers_and_reduces_one_unit_at_a_time(single_process_gr
     assert not schedule_units(traced.graph)  # (scheduled already: nothing more to move)
 
 
+def test_graphless_grad_and_value_equals_torch_func_and_builds_no_graph_of_its_backward():
+    """DataParallel(AutoFunc())'s unit-by-unit gradient at the top level: torch.func.grad_and_value
+    without create_graph. The same gradient and value; the gradients flowing through the backward
+    carry no graph (torch.func's do, and that graph holds each layer's activation and output
+    gradient until the backward ends)."""
+    from torchdi._distributed_private import graphless_grad_and_value
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(t):
+            return t.view_as(t)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(g.requires_grad)
+            return g
+
+    def f(w, x):
+        return torch.tanh(Spy.apply(x @ w)).pow(2).sum()
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    want_g, want_y = torch.func.grad_and_value(f)(w, x)
+    transform = graphless_grad_and_value(lambda w_, x_: (f(w_, x_), None))
+    assert transform is not None
+    got_g, (got_y, aux) = transform(w, x)
+    assert torch.equal(got_g, want_g) and torch.equal(got_y, want_y) and aux is None
+    assert not got_g.requires_grad and got_g.grad_fn is None
+    assert seen == [True, False]  # torch.func's backward builds its graph; this one does not
+
+
 def test_schedule_units_leaves_a_graph_that_writes_into_a_shard_as_traced(single_process_group):
     """A copy of a gather reads its shard again later: where the graph writes into that shard, the
     pass changes nothing."""
