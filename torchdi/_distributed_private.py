@@ -26,7 +26,7 @@ Fast paths (``FAST_PATHS``):
   around ``f`` (the same results; the whole parameters held at the peak).
 - ``"graphless_gradient"``: ``torch._functorch.eager_transforms``' ``grad_increment_nesting``,
   ``_wrap_all_tensors``, ``_create_differentiable``, ``_autograd_grad`` and
-  ``_undo_create_differentiable`` (torch 2.1 .. 2.14.1; what ``torch.func.grad_and_value`` is
+  ``_undo_create_differentiable`` (checked on torch 2.9, 2.13, 2.14.1; what ``torch.func.grad_and_value`` is
   made of): ``torch.func.grad_and_value`` with its backward run without ``create_graph``, for
   ``DataParallel(AutoFunc())``'s unit-by-unit gradient when no transform and no grad mode is
   active around it (nothing can differentiate its result then). ``torch.func.grad_and_value``
