@@ -290,7 +290,8 @@ def _gathered_program(group_name: str):
             return torch.tanh(torch.tanh(torch.tanh(x @ w1) @ w2) @ w3).sum()
 
         grads = torch.func.grad(f, argnums=(0, 1, 2))(w1, w2, w3)
-        return tuple(c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", 1, group_name)) for g in grads)
+        # (scaled by 1/world, as the mean is taken)
+        return tuple(c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", 1, group_name)) * 0.5 for g in grads)
 
     return program
 
@@ -323,7 +324,11 @@ def test_schedule_units_gathers_and_reduces_one_unit_at_a_time(single_process_gr
     def full_gradient(node):  # what a reduce-scatter reduces
         return any(user.target is c10d.reduce_scatter_tensor.default for user in node.users)
 
+    def reduced(node):  # a reduced gradient before its scaling
+        return node.target is c10d.wait_tensor.default and node.args[0].target is c10d.reduce_scatter_tensor.default
+
     assert _live_peak(traced.graph, gathered) == 3 and _live_peak(traced.graph, full_gradient) == 3
+    assert _live_peak(traced.graph, reduced) == 1  # (scaled at once, as traced)
     assert schedule_units(traced.graph)
     traced.recompile()
     order = [node.target for node in traced.graph.nodes]
@@ -332,9 +337,51 @@ def test_schedule_units_gathers_and_reduces_one_unit_at_a_time(single_process_gr
     assert order.count(c10d.all_gather_into_tensor.default) == 4
     assert order.count(c10d.reduce_scatter_tensor.default) == 3
     assert _live_peak(traced.graph, gathered) == 1 and _live_peak(traced.graph, full_gradient) == 1
+    # the scaling moves with its reduction (left at the end, inductor fuses every unit's scaling
+    # into one kernel there, which holds all reduced gradients and their scaled copies at once)
+    assert _live_peak(traced.graph, reduced) == 1
+    assert all(node.args[0].target is c10d.wait_tensor.default for node in traced.graph.nodes if node.target is torch.ops.aten.mul.Tensor)
+    assert [n.target for n in traced.graph.nodes].index(torch.ops.aten.mul.Tensor) < order.index(c10d.reduce_scatter_tensor.default, order.index(c10d.reduce_scatter_tensor.default) + 1)
     for got, want in zip(traced(*inputs), expected):
         assert torch.equal(got, want)
     assert not schedule_units(traced.graph)  # (scheduled already: nothing more to move)
+
+
+def test_graphless_grad_and_value_equals_torch_func_and_builds_no_graph_of_its_backward():
+    """DataParallel(AutoFunc())'s unit-by-unit gradient at the top level: torch.func.grad_and_value
+    without create_graph. The same gradient and value; the gradients flowing through the backward
+    carry no graph (torch.func's do, and that graph holds each layer's activation and output
+    gradient until the backward ends)."""
+    from torchdi._distributed_private import graphless_grad_and_value
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(t):
+            return t.view_as(t)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(g.requires_grad)
+            return g
+
+    def f(w, x):
+        return torch.tanh(Spy.apply(x @ w)).pow(2).sum()
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    want_g, want_y = torch.func.grad_and_value(f)(w, x)
+    transform = graphless_grad_and_value(lambda w_, x_: (f(w_, x_), None))
+    assert transform is not None
+    got_g, (got_y, aux) = transform(w, x)
+    assert torch.equal(got_g, want_g) and torch.equal(got_y, want_y) and aux is None
+    assert not got_g.requires_grad and got_g.grad_fn is None
+    assert seen == [True, False]  # torch.func's backward builds its graph; this one does not
 
 
 def test_schedule_units_leaves_a_graph_that_writes_into_a_shard_as_traced(single_process_group):

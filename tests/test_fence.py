@@ -518,6 +518,34 @@ def test_data_parallel_func_without_layer_by_layer_gathers_every_shard_at_once(s
     assert len(_warnings_naming(caplog, "layer_by_layer")) == 1
 
 
+def test_data_parallel_func_without_the_graphless_gradient_takes_torch_func_grad(single_process_group, monkeypatch, caplog):
+    """Where torch.func.grad_and_value's parts cannot be reached, DataParallel(AutoFunc()) unit by
+    unit takes torch.func.grad_and_value itself (which builds the graph of its backward): the same
+    gradients, still unit by unit, one warning."""
+    from torchdi import _distributed_private
+
+    model, reference = _fsdp_model()
+    data = torch.randn(5, 3)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain.load_state_dict(reference)
+    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    backend = td.distributed.DataParallel(td.AutoFunc())
+    params = dict(model.named_parameters())
+    prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
+    graphless = td.gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data), prep=prep)
+    assert prep.runner.graphless is not None
+    monkeypatch.setattr(_distributed_private, "_GRAD_PARTS", None)
+    monkeypatch.setattr(_distributed_private.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
+        graphed = td.gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data), prep=prep)
+    assert prep.runner.graphless is None and prep.runner.last_call.gathered_elements == [5, 16, 16]
+    for name in want:
+        torch.testing.assert_close(graphless[name].full_tensor(), want[name])
+        torch.testing.assert_close(graphed[name].full_tensor(), want[name])
+    assert len(_warnings_naming(caplog, "graphless_gradient")) == 1
+
+
 @pytest.mark.parametrize("missing", ["_AOT_EAGER_PARTS", "_SCHEDULE_OPS"])
 def test_data_parallel_compile_without_the_unit_schedule_gathers_every_shard_at_once(single_process_group, monkeypatch, caplog, missing):
     """Without the parts of aot_eager (or the _c10d_functional operators) the compiled program of

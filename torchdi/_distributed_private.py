@@ -24,6 +24,16 @@ Fast paths (``FAST_PATHS``):
   transform (where writing into a tensor made outside it is refused; the refill writes memory
   the transform never sees as a tensor of its own). Fallback: every shard gathered at once
   around ``f`` (the same results; the whole parameters held at the peak).
+- ``"graphless_gradient"``: ``torch._functorch.eager_transforms``' ``grad_increment_nesting``,
+  ``_wrap_all_tensors``, ``_create_differentiable``, ``_autograd_grad`` and
+  ``_undo_create_differentiable`` (checked on torch 2.9, 2.13, 2.14.1; what ``torch.func.grad_and_value`` is
+  made of): ``torch.func.grad_and_value`` with its backward run without ``create_graph``, for
+  ``DataParallel(AutoFunc())``'s unit-by-unit gradient when no transform and no grad mode is
+  active around it (nothing can differentiate its result then). ``torch.func.grad_and_value``
+  always builds the graph of its backward (so that an outer transform can differentiate it), and
+  that graph keeps each layer's output gradient and activation alive until the whole backward
+  ends (measured: 0.5 MiB per 1024-wide layer at batch 64, 1.16x eager FSDP2's step peak).
+  Fallback: ``torch.func.grad_and_value`` (the same results, that memory).
 - ``"unit_schedule"``: ``torch._dynamo.backends.common.aot_autograd``, ``functorch.compile``'s
   ``boxed_nop`` and ``min_cut_rematerialization_partition`` (torch 2.1 .. 2.14.1; what torch's
   own ``aot_eager`` backend is made of) and the ``_c10d_functional`` operators (torch 2.3 ..
@@ -51,6 +61,7 @@ __all__ = [
     "fence",
     "forward_hook_dicts",
     "functional_collectives",
+    "graphless_grad_and_value",
     "is_fsdp_hook",
     "layer_by_layer",
     "outside_functorch",
@@ -66,11 +77,15 @@ FAST_PATHS = {
     "(torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack, torch.nn.Module._parameters)",
     "unit_schedule": "gathering FSDP2 units one at a time inside the compiled program "
     "(torch._dynamo.backends.common.aot_autograd, torch.ops._c10d_functional)",
+    "graphless_gradient": "torch.func.grad_and_value's backward without create_graph "
+    "(torch._functorch.eager_transforms)",
 }
 
 fence = Fence(FAST_PATHS, costs={
     "layer_by_layer": "which gathers every parameter at once (the same results, more memory per process)",
     "unit_schedule": "the compiled program then gathers every parameter at once (the same results, more memory per process)",
+    "graphless_gradient": "whose backward keeps each layer's activation and output gradient until it ends "
+    "(the same results, more memory per process)",
 })
 
 _UNPROBED: Any = object()
@@ -135,6 +150,54 @@ def put_parameter(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> N
     """Make ``tensor`` (not a ``Parameter``) what ``module`` computes with as its parameter ``name``,
     as ``torch.func.functional_call`` does (check ``layer_by_layer()`` first)."""
     module._parameters[name] = tensor  # type: ignore[assignment]
+
+
+def _import_grad_parts() -> tuple[Any, ...]:
+    from torch._functorch.eager_transforms import (
+        _autograd_grad,
+        _create_differentiable,
+        _undo_create_differentiable,
+        _wrap_all_tensors,
+        grad_increment_nesting,
+    )
+
+    return grad_increment_nesting, _wrap_all_tensors, _create_differentiable, _autograd_grad, _undo_create_differentiable
+
+
+_GRAD_PARTS: Any = _UNPROBED
+
+
+def graphless_grad_and_value(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``torch.func.grad_and_value(func, argnums=0, has_aux=True)`` whose backward builds no graph
+    (``create_graph=False``, ``retain_graph=False``: each saved tensor is released as its node
+    runs, as ``loss.backward()`` does), or ``None`` where this torch lacks the parts.
+
+    Only for a call with no ``torch.func`` transform and no grad mode active around it: its
+    gradient can then not be differentiated again, and the graph ``torch.func`` builds for that
+    (``create_graph=True``) would only hold memory until the backward ends."""
+    global _GRAD_PARTS
+    if _GRAD_PARTS is _UNPROBED:
+        _GRAD_PARTS = probe(_import_grad_parts)
+    if _GRAD_PARTS is None:
+        fence.warn_off("graphless_gradient")
+        return None
+    nesting, wrap_all, create_differentiable, autograd_grad, undo = _GRAD_PARTS
+
+    def run(x: Any, *args: Any) -> tuple[Any, tuple[Any, Any]]:
+        # torch.func.grad_and_value's own steps (torch/_functorch/eager_transforms.py), all but
+        # create_graph=True.
+        with nesting() as level, torch.enable_grad():
+            x, args = wrap_all((x, args), level)
+            torch.utils._pytree.tree_map_(lambda t: create_differentiable(t, level), x)
+            output, aux = func(x, *args)
+            if not isinstance(output, torch.Tensor) or output.dim() != 0:
+                raise RuntimeError(f"graphless_grad_and_value: f must return a 0-d tensor, got {type(output).__name__}")
+            flat, spec = torch.utils._pytree.tree_flatten(x)
+            grads = autograd_grad((output,), flat, retain_graph=False, create_graph=False)
+            aux = None if aux is None else undo(aux, level)
+            return undo(torch.utils._pytree.tree_unflatten(list(grads), spec), level), (undo(output, level), aux)
+
+    return run
 
 
 class _NoTensor:
@@ -237,13 +300,15 @@ def _packets(*names: str) -> frozenset[Any]:
     return frozenset(getattr(aten, name) for name in names)
 
 
-def _schedule_ops() -> tuple[Any, Any, Any, frozenset[Any], frozenset[Any]]:
+def _schedule_ops() -> tuple[Any, Any, Any, frozenset[Any], frozenset[Any], frozenset[Any]]:
     c10d = torch.ops._c10d_functional
     moves = _packets("view", "_unsafe_view", "reshape", "slice", "select", "t", "transpose", "permute", "expand",
                      "alias", "detach", "squeeze", "unsqueeze", "clone", "_to_copy", "split", "split_with_sizes",
                      "as_strided", "contiguous")
     packs = moves | _packets("cat", "constant_pad_nd")
-    return (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, moves, packs)
+    finishes = moves | _packets("mul", "div")
+    return (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default, moves, packs,
+            finishes)
 
 
 def _import_aot_eager_parts() -> tuple[Any, Any, Any]:
@@ -279,6 +344,20 @@ def _upstream(root: torch.fx.Node, order: dict[torch.fx.Node, int], packs: froze
         pending.extend(node.all_input_nodes)
 
 
+def _downstream(group: set[torch.fx.Node], finishes: frozenset[Any]) -> None:
+    """Add to ``group`` the operations after it that read only ``group`` (the views that cut a
+    reduced gradient into parameters and the scaling by 1/world that makes the mean), so they
+    move with it: left at the end of the graph, inductor fuses every unit's scaling into one
+    kernel there, which holds every unit's reduced gradient and its scaled copy at once."""
+    pending = [user for node in group for user in node.users]
+    while pending:
+        node = pending.pop()
+        if node in group or not _is(node, finishes) or not all(n in group for n in node.all_input_nodes):
+            continue
+        group.add(node)
+        pending.extend(node.users)
+
+
 def schedule_units(graph: torch.fx.Graph) -> bool:
     """Reorder ``graph`` (AOTAutograd's, of a ``DataParallel(AutoCompile())`` program) so that it
     gathers and reduces FSDP2 units one at a time (see above). Returns whether it changed it.
@@ -289,7 +368,7 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
         _SCHEDULE_OPS = probe(_schedule_ops)
     if _SCHEDULE_OPS is None:
         raise AttributeError("torch.ops._c10d_functional")
-    gather_op, reduce_op, wait_op, moves, packs = _SCHEDULE_OPS
+    gather_op, reduce_op, wait_op, moves, packs, finishes = _SCHEDULE_OPS
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     gathers = [node for node in nodes if node.target is gather_op]
@@ -347,6 +426,7 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
         group = {reduce}
         _upstream(reduce, {n: i for i, n in enumerate(graph.nodes)}, packs, group)
         group.update(user for user in reduce.users if user.target is wait_op)
+        _downstream(group, finishes)
         if any(n in written for node in group for n in node.all_input_nodes):
             continue
         for node in [n for n in graph.nodes if n in group]:
