@@ -450,6 +450,17 @@ def _fsdp_loss(params, model, data):
     return td.distributed.functional_call(model, params, (data,)).pow(2).mean()
 
 
+def _fsdp_case():
+    """The FSDP2-sharded MLP, the same MLP unsharded, a batch, and the unsharded MLP's gradient:
+    what every DataParallel route, fast path or fallback, must give."""
+    model, reference = _fsdp_model()
+    data = torch.randn(5, 3)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain.load_state_dict(reference)
+    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    return model, plain, data, want
+
+
 def test_data_parallel_without_functional_collectives(single_process_group, monkeypatch, caplog):
     """Without torch's functional collectives, DataParallel's gather and reduce run on the public
     collectives: the same gradients, eagerly and compiled, FSDP2-sharded or replicated."""
@@ -457,11 +468,7 @@ def test_data_parallel_without_functional_collectives(single_process_group, monk
 
     monkeypatch.setattr(_distributed_private, "_FUNCTIONAL_COLLECTIVES", None)
     monkeypatch.setattr(_distributed_private.fence, "warned", set())
-    model, reference = _fsdp_model()
-    data = torch.randn(5, 3)
-    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    plain.load_state_dict(reference)
-    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    model, plain, data, want = _fsdp_case()
     with caplog.at_level(logging.WARNING, logger="torchdi"):
         for inner in (td.AutoFunc(), BACKEND):
             backend = td.distributed.DataParallel(inner)
@@ -495,11 +502,7 @@ def test_data_parallel_func_without_layer_by_layer_gathers_every_shard_at_once(s
     every shard at once around f instead of unit by unit: the same gradients, one warning."""
     from torchdi import _distributed_private
 
-    model, reference = _fsdp_model()
-    data = torch.randn(5, 3)
-    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    plain.load_state_dict(reference)
-    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    model, _, data, want = _fsdp_case()
     backend = td.distributed.DataParallel(td.AutoFunc())
     params = dict(model.named_parameters())
     prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
@@ -524,11 +527,7 @@ def test_data_parallel_func_without_the_graphless_gradient_takes_torch_func_grad
     gradients, still unit by unit, one warning."""
     from torchdi import _distributed_private
 
-    model, reference = _fsdp_model()
-    data = torch.randn(5, 3)
-    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    plain.load_state_dict(reference)
-    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    model, _, data, want = _fsdp_case()
     backend = td.distributed.DataParallel(td.AutoFunc())
     params = dict(model.named_parameters())
     prep = td.prepare_gradient(_fsdp_loss, backend, params, td.Constant(model), td.Constant(data))
@@ -553,11 +552,7 @@ def test_data_parallel_compile_without_the_unit_schedule_gathers_every_shard_at_
     same gradients, one warning."""
     from torchdi import _distributed_private
 
-    model, reference = _fsdp_model()
-    data = torch.randn(5, 3)
-    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    plain.load_state_dict(reference)
-    want = td.gradient(_fsdp_loss, td.AutoFunc(), dict(plain.named_parameters()), td.Constant(plain), td.Constant(data))
+    model, _, data, want = _fsdp_case()
     monkeypatch.setattr(_distributed_private, missing, None)
     monkeypatch.setattr(_distributed_private.fence, "warned", set())
     backend = td.distributed.DataParallel(BACKEND)
