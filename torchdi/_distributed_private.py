@@ -91,6 +91,16 @@ fence = Fence(FAST_PATHS, costs={
 _UNPROBED: Any = object()
 
 
+def _probed_once(attribute: str, getter: Callable[[], Any]) -> Any:
+    """This module's ``attribute``, probed with ``getter`` on its first use (``_UNPROBED`` until
+    then: importing these parts of torch costs time that a user who never needs them should not
+    pay). ``None`` where this torch lacks them; the fence tests set it to ``None`` to say so."""
+    value = globals()[attribute]
+    if value is _UNPROBED:
+        value = globals()[attribute] = probe(getter)
+    return value
+
+
 def _import_functional_collectives() -> types.ModuleType:
     import torch.distributed._functional_collectives as funcol
 
@@ -175,13 +185,11 @@ def graphless_grad_and_value(func: Callable[..., Any]) -> Callable[..., Any] | N
     Only for a call with no ``torch.func`` transform and no grad mode active around it: its
     gradient can then not be differentiated again, and the graph ``torch.func`` builds for that
     (``create_graph=True``) would only hold memory until the backward ends."""
-    global _GRAD_PARTS
-    if _GRAD_PARTS is _UNPROBED:
-        _GRAD_PARTS = probe(_import_grad_parts)
-    if _GRAD_PARTS is None:
+    parts = _probed_once("_GRAD_PARTS", _import_grad_parts)
+    if parts is None:
         fence.warn_off("graphless_gradient")
         return None
-    nesting, wrap_all, create_differentiable, autograd_grad, undo = _GRAD_PARTS
+    nesting, wrap_all, create_differentiable, autograd_grad, undo = parts
 
     def run(x: Any, *args: Any) -> tuple[Any, tuple[Any, Any]]:
         # torch.func.grad_and_value's own steps (torch/_functorch/eager_transforms.py), all but
@@ -247,6 +255,7 @@ class PublicCollectives:
 def functional_collectives() -> Any:
     """``torch.distributed._functional_collectives``, or ``PublicCollectives`` (the same names on
     torch's public collectives) where this torch lacks it."""
+    # Not _probed_once: this runs inside the programs dynamo traces, which cannot trace globals().
     global _FUNCTIONAL_COLLECTIVES
     if _FUNCTIONAL_COLLECTIVES is _UNPROBED:
         _FUNCTIONAL_COLLECTIVES = probe(_import_functional_collectives)
@@ -363,12 +372,10 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
     gathers and reduces FSDP2 units one at a time (see above). Returns whether it changed it.
 
     Raises ``AttributeError`` where this torch lacks the ``_c10d_functional`` operators."""
-    global _SCHEDULE_OPS
-    if _SCHEDULE_OPS is _UNPROBED:
-        _SCHEDULE_OPS = probe(_schedule_ops)
-    if _SCHEDULE_OPS is None:
+    ops = _probed_once("_SCHEDULE_OPS", _schedule_ops)
+    if ops is None:
         raise AttributeError("torch.ops._c10d_functional")
-    gather_op, reduce_op, wait_op, moves, packs, finishes = _SCHEDULE_OPS
+    gather_op, reduce_op, wait_op, moves, packs, finishes = ops
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     gathers = [node for node in nodes if node.target is gather_op]
@@ -452,14 +459,13 @@ _INDUCTOR_PARTS: Any = _UNPROBED
 _SCHEDULE_PASS: Any = None
 
 
-def _inductor_pass() -> Any:
-    """``schedule_units`` as an inductor post-grad pass (a ``CustomGraphPass``, whose uuid keys
-    inductor's cache on this file's text)."""
+def _inductor_pass(base: type) -> Any:
+    """``schedule_units`` as an inductor post-grad pass (a ``CustomGraphPass``, ``base``, whose uuid
+    keys inductor's cache on this file's text)."""
     global _SCHEDULE_PASS
     if _SCHEDULE_PASS is None:
-        base = _INDUCTOR_PARTS[1]
 
-        class SchedulePass(base):  # type: ignore[misc, valid-type]
+        class SchedulePass(base):
             def __call__(self, graph: torch.fx.Graph) -> None:
                 try:
                     schedule_units(graph)
@@ -481,23 +487,20 @@ def unit_scheduled_compiler(compiler: str, mode: str | None = None, options: dic
     ``options``, ``dynamic``) with ``schedule_units`` applied to AOTAutograd's graph, or ``None``
     where it cannot be made (another compiler, or a torch without the parts: the caller then
     compiles the graph as traced, every shard at once)."""
-    global _AOT_EAGER_PARTS, _INDUCTOR_PARTS
     if compiler == "inductor":
-        if _INDUCTOR_PARTS is _UNPROBED:
-            _INDUCTOR_PARTS = probe(_import_inductor_parts)
-        if _INDUCTOR_PARTS is None or (options or {}).get("post_grad_custom_post_pass") is not None:
+        inductor_parts = _probed_once("_INDUCTOR_PARTS", _import_inductor_parts)
+        if inductor_parts is None or (options or {}).get("post_grad_custom_post_pass") is not None:
             fence.warn_off("unit_schedule")
             return None
-        wrapper = _INDUCTOR_PARTS[0]
-        return wrapper(mode, {**(options or {}), "post_grad_custom_post_pass": _inductor_pass()}, dynamic)
+        wrapper, pass_base = inductor_parts
+        return wrapper(mode, {**(options or {}), "post_grad_custom_post_pass": _inductor_pass(pass_base)}, dynamic)
     if compiler != "aot_eager":
         return None
-    if _AOT_EAGER_PARTS is _UNPROBED:
-        _AOT_EAGER_PARTS = probe(_import_aot_eager_parts)
-    if _AOT_EAGER_PARTS is None:
+    aot_eager_parts = _probed_once("_AOT_EAGER_PARTS", _import_aot_eager_parts)
+    if aot_eager_parts is None:
         fence.warn_off("unit_schedule")
         return None
-    aot_autograd, boxed_nop, partition = _AOT_EAGER_PARTS
+    aot_autograd, boxed_nop, partition = aot_eager_parts
 
     def scheduled(module: torch.fx.GraphModule, example_inputs: Any) -> Any:
         try:
