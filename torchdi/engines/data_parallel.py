@@ -37,6 +37,7 @@ from torchdi.distributed import (
 )
 from torchdi.engines._compiled import CompiledRunner, inductor_options
 from torchdi.engines._dynamo import functorch_level
+from torchdi.engines.func import in_output_shape, scalar_output
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import Spec, build_runner, engine_for, register_engine
 
@@ -151,8 +152,7 @@ def _graphless_gradient(f: Any, spec: Spec) -> Any:
     y_shape = spec.y.shapes[0]
 
     def scalar(x_: Any, contexts: tuple[Any, ...]) -> tuple[torch.Tensor, None]:
-        y = f(x_, contexts)
-        return (y if y.dim() == 0 else y.reshape(())), None
+        return scalar_output(f(x_, contexts)), None
 
     transform = graphless_grad_and_value(scalar)
     if transform is None:
@@ -160,7 +160,7 @@ def _graphless_gradient(f: Any, spec: Spec) -> Any:
 
     def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
         g, (y, _aux) = transform(x, contexts)
-        return (y if y.shape == y_shape else y.reshape(y_shape)) if spec.needs_value else None, g
+        return in_output_shape(y, y_shape) if spec.needs_value else None, g
 
     return run
 

@@ -18,7 +18,7 @@ from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
 from torchdi.runners import register_engine
 
-__all__ = ["FuncEngine"]
+__all__ = ["FuncEngine", "in_output_shape", "scalar_output"]
 
 # vmap's out_dims for (value, per-tangent result): the value does not depend on the tangent.
 _SHARED_VALUE: Any = (None, 0)
@@ -77,15 +77,15 @@ def _add_batch(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.unsqueeze(0), tree)
 
 
-def _scalar(y: torch.Tensor) -> torch.Tensor:
+def scalar_output(y: torch.Tensor) -> torch.Tensor:
     """A one-element output as the 0-d tensor ``torch.func.grad`` requires (the contract allows any shape).
     A 0-d output is returned as it is: a reshape would add a view to the graph of every
     transform level (four of them in a PINN step's inner HVP under the training step's grad)."""
     return y if y.dim() == 0 else y.reshape(())
 
 
-def _shaped(y: torch.Tensor, shape: Any) -> torch.Tensor:
-    """``y`` (the 0-d value of ``_scalar``) back in ``f``'s output shape, without a view when it has it."""
+def in_output_shape(y: torch.Tensor, shape: Any) -> torch.Tensor:
+    """``y`` (the 0-d value of ``scalar_output``) back in ``f``'s output shape, without a view when it has it."""
     return y if y.shape == shape else y.reshape(shape)
 
 
@@ -141,11 +141,11 @@ class FuncEngine:
 
         def scalar_and_aux(x_: Any, c: tuple[Any, ...]) -> tuple[Any, Any]:
             y, aux = f(x_, c)
-            return _scalar(y), aux
+            return scalar_output(y), aux
 
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             g, (y, aux) = grad_and_value(scalar_and_aux, has_aux=True)(x, contexts)
-            return (_shaped(y, y_shape), aux), g
+            return (in_output_shape(y, y_shape), aux), g
 
         return run
 
@@ -187,11 +187,11 @@ class FuncEngine:
         # The contexts are arguments of the transformed function, not captured: f may then update
         # a State in place (torch.func refuses in-place writes into captured tensors).
         def run(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            g, y = grad_and_value(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
-            return _shaped(y, y_shape), g
+            g, y = grad_and_value(lambda x_, c: scalar_output(f(x_, c)))(x, contexts)
+            return in_output_shape(y, y_shape), g
 
         def run_without_value(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            return None, grad(lambda x_, c: _scalar(f(x_, c)))(x, contexts)
+            return None, grad(lambda x_, c: scalar_output(f(x_, c)))(x, contexts)
 
         return run if spec.needs_value else run_without_value
 
@@ -243,14 +243,14 @@ class FuncEngine:
         single = spec.n_tangents == 1
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            gradient_of = grad(lambda x_: _scalar(f(x_, contexts)))
+            gradient_of = grad(lambda x_: scalar_output(f(x_, contexts)))
 
             def along(t: Any) -> tuple[Any, Any]:
                 if spec.inside_forward_mode:
                     # Nested in an outer transform that dynamo compiles (a PINN's Laplacian under
                     # AutoCompile's gradient): efficient-zero tangents of closed-over contexts reach
                     # inductor, which writes into them ("ZeroTensors are immutable").
-                    return _jvp_through_contexts(lambda x_, c: grad(lambda x__: _scalar(f(x__, c)))(x_), x, t, contexts)
+                    return _jvp_through_contexts(lambda x_, c: grad(lambda x__: scalar_output(f(x__, c)))(x_), x, t, contexts)
                 return _jvp(gradient_of, (x,), (t,))
 
             if single:
@@ -270,14 +270,14 @@ class FuncEngine:
 
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             def gradient_with_value(x_: torch.Tensor) -> tuple[Any, Any]:
-                g, y = grad_and_value(lambda x__: _scalar(f(x__, contexts)))(x_)
+                g, y = grad_and_value(lambda x__: scalar_output(f(x__, contexts)))(x_)
                 return g, (g, y)
 
             if not outer_reverse:
                 hess, (g, y) = jacfwd(gradient_with_value, has_aux=True, randomness=_RANDOMNESS)(x)
             else:
                 hess, (g, y) = jacrev(gradient_with_value, has_aux=True, chunk_size=self.chunk_size)(x)
-            return _shaped(y, y_shape), g, hess
+            return in_output_shape(y, y_shape), g, hess
 
         return run
 
