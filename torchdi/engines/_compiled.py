@@ -517,12 +517,9 @@ class CompiledRunner:
             x, tangents, contexts = self._arguments(x, tangents, contexts)
         cache = self._cache
         if cache is not None and cache.fast and not self.owns_buffers:
-            # dynamo's guards, entry by entry (DynamoCache.lookup written out: one frame less
-            # on every call; a prepared heat-equation jacobian is ~30 us in all).
-            frame_locals = {"x": x, "tangents": tangents, "contexts": contexts}
-            for check, transformed in cache.entries:
-                if check(frame_locals):
-                    return transformed(x, tangents, contexts)
+            transformed = cache.lookup({"x": x, "tangents": tangents, "contexts": contexts})
+            if transformed is not None:
+                return transformed(x, tangents, contexts)
             # Another memory layout of the same values: copy to the compiled one rather than
             # recompile per stride.
             dense = _contiguous((x, tangents, contexts))
