@@ -439,8 +439,8 @@ def test_autofunc_adds_no_view_for_a_0d_output():
     from torchdi.engines import func
 
     y = torch.ones((), dtype=DT)
-    assert func._scalar(y) is y and func._shaped(y, torch.Size([])) is y
-    assert func._scalar(torch.ones(1, 1)).shape == () and func._shaped(y, (1,)).shape == (1,)
+    assert func.scalar_output(y) is y and func.in_output_shape(y, torch.Size([])) is y
+    assert func.scalar_output(torch.ones(1, 1)).shape == () and func.in_output_shape(y, (1,)).shape == (1,)
 
 
 def test_what_one_shot_calls_learned_dies_with_f():
