@@ -1,10 +1,18 @@
-"""Errors raised by torchdi besides ``PreparationMismatchError`` (which lives with ``Prep``)."""
+"""Every error class torchdi raises (``torchdi.prep`` re-exports ``PreparationMismatchError`` beside ``Prep``)."""
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["BackendUnavailableError", "UnsupportedOperatorError"]
+__all__ = ["BackendUnavailableError", "PreparationMismatchError", "UnsupportedOperatorError"]
+
+
+class PreparationMismatchError(ValueError):
+    """A ``Prep`` was used with arguments it was not prepared for.
+
+    The message has one line per argument (``ok`` or ``mismatch`` with expected and received),
+    or names what changed the layout of ``f(x)`` the preparation holds.
+    """
 
 
 class BackendUnavailableError(RuntimeError):

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAX_NODES", "fingerprint", "source_digest"]
+__all__ = ["MAX_NODES", "code_names", "fingerprint", "source_digest", "trusted_module"]
 
 MAX_NODES = 20_000
 # Modules keyed by name alone: their behaviour is pinned by the versions in every key.
@@ -43,15 +43,18 @@ class _Unkeyable(Exception):
     """Raised inside the walk: something was met that cannot be keyed soundly."""
 
 
-def _trusted(module_name: str | None) -> bool:
+def trusted_module(module_name: str | None) -> bool:
+    """Whether a module (by name) counts by name alone: torch's, numpy's, the standard library's,
+    torchdi's (their behaviour is pinned by the versions in every key)."""
     return bool(module_name) and module_name.split(".")[0] in _TRUSTED_ROOTS  # type: ignore[union-attr]
 
 
-def _code_names(code: types.CodeType) -> set[str]:
+def code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the code nested in it read."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
+            names |= code_names(const)
     return names
 
 
@@ -131,16 +134,16 @@ class _Walker:
                 self.walk(obj.cell_contents)
             except ValueError:  # an empty cell
                 self.token("empty cell")
-        elif callable(obj) and _trusted(getattr(obj, "__module__", None)) and (
+        elif callable(obj) and trusted_module(getattr(obj, "__module__", None)) and (
             isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or type(obj).__module__.startswith("torch._ops")
         ):
             # torch.sin, math.exp, torch.ops.aten.add.Tensor: pinned by the versions.
             self.token("builtin", getattr(obj, "__module__", None), getattr(obj, "__qualname__", None) or repr(obj))
-        elif isinstance(obj, (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)) and _trusted(
+        elif isinstance(obj, (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)) and trusted_module(
             getattr(obj.__objclass__, "__module__", None)
         ):  # torch.Tensor.add, str.join: pinned by the versions
             self.token("descriptor", obj.__objclass__.__module__, obj.__qualname__)
-        elif (hasattr(obj, "__dict__") and not _trusted(type(obj).__module__)) or isinstance(obj, torch.nn.Module):
+        elif (hasattr(obj, "__dict__") and not trusted_module(type(obj).__module__)) or isinstance(obj, torch.nn.Module):
             self.instance(obj)
         else:
             raise _Unkeyable(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
@@ -163,7 +166,7 @@ class _Walker:
 
     def function(self, fn: types.FunctionType) -> None:
         module = fn.__module__
-        if _trusted(module) and module.split(".")[0] != "torchdi":
+        if trusted_module(module) and module.split(".")[0] != "torchdi":
             self.token("function", module, fn.__qualname__)  # torch's own Python functions: by version
             return
         self.token("function", fn.__qualname__)
@@ -172,7 +175,7 @@ class _Walker:
         self.walk(fn.__kwdefaults__)
         for cell in fn.__closure__ or ():
             self.walk(cell)
-        names = _code_names(fn.__code__)
+        names = code_names(fn.__code__)
         scope = fn.__globals__
         for name in sorted(names):
             if name in scope:
@@ -183,7 +186,7 @@ class _Walker:
 
     def module(self, module: types.ModuleType, names: set[str]) -> None:
         self.token("module", module.__name__)
-        if _trusted(module.__name__):
+        if trusted_module(module.__name__):
             return
         # A user module: what the code reads from it (an attribute named in the code).
         for name in sorted(names):
@@ -193,7 +196,7 @@ class _Walker:
 
     def cls(self, cls: type) -> None:
         self.token("class", cls.__module__, cls.__qualname__)
-        if _trusted(cls.__module__):
+        if trusted_module(cls.__module__):
             return
         for base in cls.__bases__:
             self.walk(base)

@@ -13,19 +13,13 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from torchdi.errors import PreparationMismatchError
 from torchdi.runners import Publishes, checked_entry, implements, num_compilations, runner_path
 from torchdi.translate import Static, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
 
 _IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, Static)
-
-
-class PreparationMismatchError(ValueError):
-    """A ``Prep`` was used with arguments it was not prepared for.
-
-    The message has one line per argument (``ok`` or ``mismatch`` with expected and received).
-    """
 
 
 def _static_key(obj: Any) -> Any:

@@ -25,6 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchdi.backends import _BACKEND_TYPES, Backend
+from torchdi.errors import PreparationMismatchError
 from torchdi.families import FAMILIES
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "TreeMeta",
     "WarmsUp",
     "build_runner",
+    "check_output_shapes",
     "checked_entry",
     "engine_for",
     "implements",
@@ -95,6 +97,38 @@ class TreeMeta:
         return pytree.tree_unflatten(
             [p.reshape(self.numel, *s).to(d) for p, s, d in zip(pieces, self.shapes, self.dtypes)], self.spec
         )
+
+
+def check_output_shapes(y: Any, shapes: tuple[torch.Size, ...]) -> None:
+    """Refuse an ``f(x)`` whose tensors no longer have the shapes a runner was built for.
+
+    Rule 1 compares ``x``, the tangents and the contexts' layouts, but the shape of ``f(x)`` can
+    also follow a context's value (``x[:k]``), a global or a closure cell. A runner that holds
+    ``f(x)``'s shape (a jacobian's basis and size, a pullback's cotangents, an ``AutoSparse``
+    pattern) would then fail deep inside torch or, worse, return a matrix of the old size. This is
+    the one check those runners make: a tuple comparison of shapes per call (dtypes are left
+    free: autocast may change them and every runner follows them).
+
+    Args:
+        y: ``f(x)`` as the runner received it (a tensor or a pytree of tensors).
+        shapes: the shapes the runner was built for, one per leaf of ``y``.
+
+    Raises:
+        PreparationMismatchError: naming the shapes received and prepared, and what to do.
+    """
+    leaves = (y,) if isinstance(y, torch.Tensor) else tuple(pytree.tree_leaves(y))
+    received = tuple(leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor))
+    if received == shapes:
+        return
+    def text(found: tuple[torch.Size, ...]) -> str:
+        return ", ".join(str(tuple(shape)) for shape in found) or "no tensor"
+    raise PreparationMismatchError(
+        f"f(x) returned shape {text(received)} where this preparation's f(x) had shape {text(shapes)}. "
+        f"The preparation holds f(x)'s shape (a jacobian's size and basis, a pullback's cotangents, an AutoSparse "
+        f"pattern, a gradient's one element); something f reads besides x (a context's value, a global, a closure cell, an attribute) changed "
+        f"it, which the argument check cannot see. Prepare again with the arguments that give the new shape: one "
+        f"preparation per shape of f(x)."
+    )
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,7 @@ class AutogradEngine:
             with _grad_mode_on(outer):
                 x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
+                _refuse_non_scalar(y)
                 if y.requires_grad:  # a 0-d output needs no explicit cotangent
                     grads = _materialized(
                         torch.autograd.grad(y, leaves, None if y.dim() == 0 else torch.ones_like(y), create_graph=nested, allow_unused=True),
@@ -183,6 +184,7 @@ class AutogradEngine:
             with torch.enable_grad():
                 x_in, leaves, nested = _track(x, outer)
                 y = f(x_in, contexts)
+                _refuse_non_scalar(y)
                 grads = _grad([y], leaves, [torch.ones_like(y)], create_graph=True, retain_graph=True)
                 tx_leaves = pytree.tree_leaves(tx)
                 count = tx_leaves[0].shape[0]
@@ -218,6 +220,14 @@ class AutogradEngine:
             return _maybe_detach(y, nested), _maybe_detach(dy, nested), d2y
 
         return run
+
+
+def _refuse_non_scalar(y: torch.Tensor) -> None:
+    """A gradient's or HVP's ``f(x)`` must have one element: with a cotangent of ones,
+    ``torch.autograd.grad`` would differentiate ``y.sum()`` instead (preparation checks this once;
+    a context's value or a global can change it later, see ``check_output_shapes``)."""
+    if y.numel() != 1:
+        raise ValueError(f"f must return a scalar (one-element) tensor, got shape {tuple(y.shape)}")
 
 
 def _jvp_by_double_vjp(y: torch.Tensor, x: torch.Tensor, create_graph: bool) -> torch.Tensor:

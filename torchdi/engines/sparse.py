@@ -34,10 +34,12 @@ from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES
 from torchdi.fingerprint import fingerprint
+from torchdi.reads import MAX_PLACES, Reads
 from torchdi.runners import (
     BoundFunction,
     Spec,
     build_runner,
+    check_output_shapes,
     checked_entry,
     engine_for,
     num_compilations,
@@ -310,11 +312,20 @@ class SparseRunner:
         self.checked_entries: dict[int, Any] = {}
         self.fused_entries: tuple[Any, Any] | None = None  # (plain, checked) entry of the one program
         self.fused_seeds: torch.Tensor | None = None
+        # f(x)'s shape, which the pattern is for: a jacobian's calls compare it (a context's value
+        # or a global that changes it would otherwise give a matrix of the old size).
+        self.y_shape: torch.Size | None = torch.Size(spec.y.shapes[0]) if family == "jacobian" else None
+        # What f reads besides x and the contexts (torchdi.reads), watched on every call: the
+        # pattern was traced from f as it read them, and a change makes it stale (None: a
+        # KnownSparsity or KnownColoring, which the user vouches for, or too much to watch).
+        self.reads: Reads | None = None
+        self.pattern = IndexSets.empty(0, 0)
+        self.earlier_compilations = 0  # of the runners a re-preparation replaced
 
     @property
     def num_compilations(self) -> int:
         runners = [r for r, _ in self.passes] + [self.fused, self.gradient]
-        return sum(num_compilations(r) for r in runners)
+        return self.earlier_compilations + sum(num_compilations(r) for r in runners)
 
     def _color_jacobian(self, pattern: IndexSets) -> tuple[str, list[tuple[str, np.ndarray]], Recovery]:
         """The jacobian's mode, its passes (family, colours) and recovery."""
@@ -529,6 +540,14 @@ class SparseRunner:
         # The one-program call's entry points and seeds, read without a dict per call.
         self.fused_entries = (self.fused, checked_entry(self.fused)) if self.fused is not None else None
         self.fused_seeds = self.passes[0][1] if self.fused is not None else None
+        self.pattern = pattern
+        self.reads = None if known is not None or isinstance(self.backend.sparsity, KnownSparsity) else Reads.of(self.f)
+        if self.reads is None and known is None and not isinstance(self.backend.sparsity, KnownSparsity):
+            logger.warning(
+                "torchdi: AutoSparse cannot watch everything %s reads (more than %d places): a change to its globals, "
+                "closure cells or attributes after preparation is not seen by the sparsity pattern; prepare again after "
+                "such a change.", _name(self.f), MAX_PLACES,
+            )
         self.prepared = True
         all_colors = [torch.from_numpy(c) for _, c in passes]
         stored_colors = tuple(c for _, c in passes) if mode == "mixed" else (passes[0][1] if passes else _no_colors(mode, m, n))
@@ -546,6 +565,28 @@ class SparseRunner:
             # The pattern (when traced) and the colouring both came from the on-disk cache.
             "loaded_from_cache": bool(detection_loaded and coloring_loaded and (self.fused is None or self.fused.persist_key is None or self.fused.loaded_from_cache)),
         }
+
+    def _prepare_again(self, x: torch.Tensor, contexts: tuple[Any, ...]) -> None:
+        """What f reads changed since the pattern was traced (``self.reads``): trace it again at
+        this x. A pattern inside the old one keeps the old colouring (it recovers every entry of a
+        sub-pattern, the others as zeros); any other is coloured and prepared again, its
+        compilations counted, and logged as a guard failure is."""
+        hessian = self.family == "hessian"
+        pattern, _, _ = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
+        if IndexSets.union([self.pattern, pattern]).nnz == self.pattern.nnz:
+            logger.info("torchdi: what %s reads changed; its sparsity pattern did not grow: kept", _name(self.f))
+            self.reads = Reads.of(self.f)
+            return
+        before = self.pattern.nnz
+        self.earlier_compilations = self.num_compilations
+        self.warm_up(x, None, contexts)
+        logger.warning(
+            "torchdi: AutoSparse prepared the %s of %s again (compilations: %d) because what it reads besides x and "
+            "the contexts changed (a global, a closure cell, an attribute, a tensor written in place) and with it "
+            "the sparsity pattern (%d -> %d entries). Pass values that change as Constant contexts, which the "
+            "pattern never depends on.",
+            self.family, _name(self.f), self.num_compilations, before, self.pattern.nnz,
+        )
 
     def _device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, TorchRecovery]:
         found = self.on_device.get(device)
@@ -582,24 +623,39 @@ class SparseRunner:
             y = self.f(x, contexts)
             return y, self._assemble([], y)
         results = [call(runner, seed) for runner, seed in self.passes]
+        check_output_shapes(results[0][0], self.spec.y.shapes)  # the pattern is for that shape
         return results[0][0], self._assemble([r[1] for r in results], x)
 
     # The hot path, the one program (its result's index tensors fresh from it), is written out in
     # both entry points rather than reached through _run: one Python frame less per call.
     def __call__(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
+        reads = self.reads
+        if reads is not None and reads.changed():
+            self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:
             *head, values, crow, col = fused[0](x, self.fused_seeds, contexts)
+            if self.y_shape is not None and head[0].shape != self.y_shape:
+                check_output_shapes(head[0], (self.y_shape,))
             return (*head, decompression.csr(crow, col, values, self.shape))
         return self._run(x, contexts, checked=False)
 
     def checked_call(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call whose strict check has passed: the dense runners may take their fast paths."""
+        reads = self.reads
+        if reads is not None and reads.changed():
+            self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:
             *head, values, crow, col = fused[1](x, self.fused_seeds, contexts)
+            if self.y_shape is not None and head[0].shape != self.y_shape:
+                check_output_shapes(head[0], (self.y_shape,))
             return (*head, decompression.csr(crow, col, values, self.shape))
         return self._run(x, contexts, checked=True)
+
+
+def _name(f: Any) -> str:
+    return str(getattr(f, "function_name", getattr(f, "__name__", repr(f))))
 
 
 def _fused_backend(dense: AutoCompile) -> AutoCompile:

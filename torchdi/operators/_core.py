@@ -62,6 +62,7 @@ from torchdi.runners import (
     TranslatesContexts,
     TreeMeta,
     build_runner,
+    check_output_shapes,
     engine_for,
     implements,
     warm_up,
@@ -503,11 +504,39 @@ def run_operator(
     set_grad_enabled(f_needs_grad)  # torch.no_grad() without its object: ~1 us per call less
     try:
         result = call(x_run, batched, values)
+    except Exception as error:
+        _refuse_changed_output(prep, f, x, values, contexts, error)
+        raise
     finally:
         set_grad_enabled(grad_enabled)
     if f_needs_grad:  # (the graph f built for its own torch.autograd calls is not the caller's)
         result = pytree.tree_map(_detached, result)
     return result if attach is None else attach(result)
+
+
+def _refuse_changed_output(prep: Prep, f: Callable[..., Any], x: Any, values: tuple[Any, ...], contexts: Sequence[Any], error: Exception) -> None:
+    """After a runner failed: when ``f(x)`` no longer has the shape the preparation holds, raise
+    the ``PreparationMismatchError`` that says so (``check_output_shapes``), from ``error``.
+
+    Rule 1 cannot see a context's value, a global or a closure cell that changes the shape of
+    ``f(x)``; the runners that hold it then fail inside torch (a cotangent or basis of the old
+    shape, a gather at the old pattern's positions) with errors that do not say why. ``f`` is
+    evaluated once more to tell, on this failing path only (never on a successful call, so it
+    costs nothing there), and not when it would update a ``State`` a second time. Runners whose
+    result would otherwise be silently of the old size check on every call instead."""
+    if prep.output_shape is None or "State" in context_kinds(contexts):
+        return
+    try:
+        with torch.set_grad_enabled(prep.f_needs_grad):
+            out = f(x, *values)
+    except Exception:  # f itself fails here: the runner's error is the one to see
+        return
+    y = out[0] if prep.has_aux and isinstance(out, tuple) else out
+    if isinstance(y, torch.Tensor) and y.shape != prep.output_shape:
+        try:
+            check_output_shapes(y, (prep.output_shape,))
+        except PreparationMismatchError as mismatch:
+            raise mismatch from error
 
 
 def _loose_key(prep: Prep, x: Any, tangents: Any) -> tuple[Any, ...]:

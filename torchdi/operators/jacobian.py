@@ -20,6 +20,7 @@ from torchdi.runners import (
     Runner,
     Spec,
     build_runner,
+    check_output_shapes,
     engine_for,
     register_fallback,
     replace_spec,
@@ -108,6 +109,7 @@ def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Run
 
         def run_forward(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             y, columns = pushforward(x, spec.x.basis(x), contexts)  # (n, *y_shape)
+            check_output_shapes(y, spec.y.shapes)  # (as in run_reverse)
             return y, columns.reshape(n, m).T.reshape(y_shape + x_shape)
 
         return run_forward
@@ -115,6 +117,7 @@ def jacobian_from_batches(backend: Backend, f: BoundFunction, spec: Spec) -> Run
 
     def run_reverse(x: Any, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
         y, rows = pullback(x, _output_basis(spec, x), contexts)  # (m, *x_shape)
+        check_output_shapes(y, spec.y.shapes)  # a new shape of as many elements reshapes silently
         return y, rows.reshape(y_shape + x_shape)
 
     return run_reverse
