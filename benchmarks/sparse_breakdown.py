@@ -11,6 +11,10 @@ With ``--whole``, only the whole prepared call of every problem named by ``--onl
 in ``--rounds`` rounds of ~5 ms batches interleaved across the problems, process CPU time: what
 to compare between two checkouts run one after the other.
 
+For a forward-mode jacobian it also times, for scale, what needs no torchdi: ``torch.compile`` of
+the compressed jacobian written by hand with the same colours (``vmap`` of ``jvp``, a gather, the
+CSR tensor), ``torch.compile(f)`` alone and ``f`` run eagerly.
+
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/sparse_breakdown.py [--only heat]
 [--whole --only heat --only "Rosenbrock N=200" --rounds 31]``.
 """
@@ -18,6 +22,7 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/sparse_breakdown.py [
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -106,6 +111,7 @@ def main() -> None:
             "dynamo guard check": lambda: check(frame_locals),
             "transformed bytecode (wrappers + kernel)": lambda: transformed(x, seeds, ()),
             "compiled runner": lambda: fused(x, seeds, ()),
+            "what f reads (torchdi.reads check)": runner.reads.changed if runner.reads is not None else (lambda: None),
             "sparse runner (+ CSR tensor)": lambda: runner.checked_call(x, None, ()),
             "CSR tensor alone": lambda: decompression.csr(crow, col, values, runner.shape),
         }
@@ -113,6 +119,41 @@ def main() -> None:
             print(f"  {label}: {per_call_us(call, args.calls, args.repeats):.1f} us")
     finally:
         torch.set_grad_enabled(grad_mode)
+    if op == "jacobian" and prep.sparse_mode == "forward":
+        # The floor: what a PyTorch user would write by hand with the same colours, and f alone.
+        print("  for scale (no torchdi):")
+        floors = {
+            "torch.compile of the hand-written compressed jacobian + CSR": hand_written(f, x, prep),
+            "torch.compile(f) alone (no derivative)": functools.partial(torch.compile(f, fullgraph=True), x),
+            "f run eagerly": functools.partial(f, x),
+        }
+        for label, call in floors.items():
+            call()
+            print(f"    {label}: {per_call_us(call, args.calls, args.repeats):.1f} us")
+
+
+def hand_written(f: Callable[..., Any], x: torch.Tensor, prep: Any) -> Callable[[], Any]:
+    """``torch.compile`` of the forward-mode compressed jacobian a user would write with the
+    preparation's colours (``vmap`` of ``jvp`` over the seeds, then a gather), and its CSR tensor;
+    checked against torchdi's result."""
+    pattern = prep.sparsity_pattern
+    crow, col, colors, ncolors = pattern.crow_indices(), pattern.col_indices(), prep.colors, int(prep.ncolors)
+    rows = torch.repeat_interleave(torch.arange(pattern.shape[0]), crow.diff())
+    seeds = torch.nn.functional.one_hot(colors, ncolors).T.to(x.dtype).reshape(ncolors, *x.shape).contiguous()
+
+    def compressed(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, columns = torch.func.vmap(lambda t: torch.func.jvp(f, (x,), (t,)), out_dims=(None, 0))(seeds)
+        return y, columns.reshape(ncolors, -1)[colors[col], rows], crow.clone(), col.clone()
+
+    program = torch.compile(compressed, fullgraph=True)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        y, values, crow_, col_ = program(x)
+        return y, torch.sparse_csr_tensor(crow_, col_, values, tuple(pattern.shape))
+
+    expected = torchdi.jacobian(f, torchdi.AutoSparse(torchdi.AutoCompile()), x, prep=prep).to_dense()
+    torch.testing.assert_close(call()[1].to_dense(), expected)
+    return call
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,7 @@ __all__ = ["MAX_PLACES", "Reads"]
 MAX_PLACES = 20_000
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
 _MISSING = object()
+_TORCHDI_DIR = str(Path(__file__).resolve().parent) + os.sep
 # Class attributes that say nothing about behaviour (as torchdi.fingerprint skips them).
 _CLASS_NOISE = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__annotations__",
                           "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__"})
@@ -199,6 +202,13 @@ class Reads:
 
     def _function(self, fn: types.FunctionType) -> None:
         module = fn.__module__
+        if fn.__code__.co_filename.startswith(_TORCHDI_DIR):
+            # torchdi's own functions (the wrapper that binds f to its contexts) hold what
+            # matters in their closure cells: f itself. (By file: a doctest's function claims
+            # torchdi's module name.)
+            for cell in fn.__closure__ or ():
+                self._walk(cell)
+            return
         if trusted_module(module) and module.split(".")[0] != "torchdi":
             return  # torch's own Python functions: pinned by torch's version
         for name in ("__code__", "__defaults__", "__kwdefaults__"):
