@@ -256,3 +256,26 @@ def test_reads_of_a_bound_method_and_empty_cell() -> None:
         return inner
 
     outer()
+
+
+def test_a_strict_false_variant_is_watched_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strict=False call with another dtype prepares a variant with the same pattern and colours
+    (a TracedColoring): it is traced again with its first colouring settings when f's reads change."""
+    backend = td.AutoSparse(td.AutoFunc(), coloring=td.GreedyColoring(order="largest_first"))
+    prep = td.prepare_jacobian(rolled, backend, torch.randn(6, dtype=torch.float64), strict=False)
+    x32 = torch.randn(6, dtype=torch.float32)
+    torch.testing.assert_close(td.jacobian(rolled, backend, x32, prep=prep).to_dense(), torch.autograd.functional.jacobian(rolled, x32))
+    monkeypatch.setattr(module_this(), "SHIFT", 2)
+    torch.testing.assert_close(td.jacobian(rolled, backend, x32, prep=prep).to_dense(), torch.autograd.functional.jacobian(rolled, x32))
+    variant = next(iter(prep.variants.values()))
+    assert variant.runner.backend.coloring == td.GreedyColoring(order="largest_first")
+
+
+def test_a_users_known_coloring_is_not_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KnownColoring the user passes is their promise: not traced again (nor in its variants)."""
+    known = td.prepare_jacobian(rolled, td.AutoSparse(td.AutoFunc()), torch.randn(6)).known_coloring
+    backend = td.AutoSparse(td.AutoFunc(), coloring=known)
+    prep = td.prepare_jacobian(rolled, backend, torch.randn(6, dtype=torch.float64), strict=False)
+    td.jacobian(rolled, backend, torch.randn(6, dtype=torch.float32), prep=prep)
+    assert prep.runner.reads is None
+    assert all(variant.runner.reads is None for variant in prep.variants.values())

@@ -66,7 +66,7 @@ from torchdi.sparsity.decompression import (
 )
 from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
-from torchdi.sparsity.known import KnownColoring, KnownSparsity, known_sparsity
+from torchdi.sparsity.known import KnownColoring, KnownSparsity, TracedColoring, known_sparsity
 from torchdi.sparsity.tracer import TracerSparsity, trace_sparsity
 
 __all__ = ["SparseEngine", "SparseRunner"]
@@ -541,8 +541,9 @@ class SparseRunner:
         self.fused_entries = (self.fused, checked_entry(self.fused)) if self.fused is not None else None
         self.fused_seeds = self.passes[0][1] if self.fused is not None else None
         self.pattern = pattern
-        self.reads = None if known is not None or isinstance(self.backend.sparsity, KnownSparsity) else Reads.of(self.f)
-        if self.reads is None and known is None and not isinstance(self.backend.sparsity, KnownSparsity):
+        traced = not isinstance(self.backend.sparsity, KnownSparsity) and (known is None or isinstance(known, TracedColoring))
+        self.reads = Reads.of(self.f) if traced else None
+        if traced and self.reads is None:
             logger.warning(
                 "torchdi: AutoSparse cannot watch everything %s reads (more than %d places): a change to its globals, "
                 "closure cells or attributes after preparation is not seen by the sparsity pattern; prepare again after "
@@ -558,7 +559,7 @@ class SparseRunner:
             "colors": all_colors[0] if len(all_colors) == 1 else tuple(all_colors),
             "groups": tuple(torch.from_numpy(g) for _, c in passes for g in color_groups(c)),
             "sparse_mode": mode,
-            "known_coloring": known if known is not None else KnownColoring(pattern, stored_colors, mode),
+            "known_coloring": known if known is not None and not isinstance(known, TracedColoring) else KnownColoring(pattern, stored_colors, mode),
             "sparsity_fallbacks": fallbacks,
             "detection_seconds": detected - start,
             "coloring_seconds": colored - detected,
@@ -572,6 +573,8 @@ class SparseRunner:
         sub-pattern, the others as zeros); any other is coloured and prepared again, its
         compilations counted, and logged as a guard failure is."""
         hessian = self.family == "hessian"
+        if isinstance(self.backend.coloring, TracedColoring):  # trace and colour as its first preparation did
+            self.backend = dataclasses.replace(self.backend, coloring=self.backend.coloring.coloring)
         pattern, _, _ = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
         if IndexSets.union([self.pattern, pattern]).nnz == self.pattern.nnz:
             logger.info("torchdi: what %s reads changed; its sparsity pattern did not grow: kept", _name(self.f))

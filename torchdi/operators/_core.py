@@ -68,6 +68,7 @@ from torchdi.runners import (
     warm_up,
     zero_runner,
 )
+from torchdi.sparsity.known import KnownColoring, TracedColoring
 from torchdi.translate import copyto_
 
 __all__ = ["prepare_operator", "run_operator", "with_aux_result", "write_out"]
@@ -591,7 +592,11 @@ def _prepared_again(
             )
         known = getattr(prep, "known_coloring", None)  # (none for an empty x or f(x): nothing to keep)
         if known is not None:
-            backend = replace(backend, coloring=known)
+            # A colouring torchdi traced stays watched in the variant (what f reads may change);
+            # a user's KnownColoring stays the user's promise.
+            user_given = isinstance(backend.coloring, KnownColoring) and not isinstance(backend.coloring, TracedColoring)
+            traced = known if user_given else TracedColoring(known, getattr(backend.coloring, "coloring", backend.coloring))
+            backend = replace(backend, coloring=traced)
     variant = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, has_aux=prep.has_aux)
     if not torch.compiler.is_compiling():
         compiled = variant.num_compilations

@@ -9,7 +9,7 @@ import torch
 
 from torchdi.sparsity.index_sets import IndexSets
 
-__all__ = ["KnownColoring", "KnownSparsity", "known_sparsity"]
+__all__ = ["KnownColoring", "KnownSparsity", "TracedColoring", "known_sparsity"]
 
 
 class KnownSparsity:
@@ -222,3 +222,31 @@ class KnownColoring:
     def __repr__(self) -> str:
         m, n = self.shape
         return f"KnownColoring(shape=({m}, {n}), nnz={self.sets.nnz}, mode={self.mode!r}, ncolors={self.ncolors})"
+
+
+class TracedColoring(KnownColoring):
+    """A ``KnownColoring`` torchdi made from a pattern it traced, with the colouring settings it
+    came from (``coloring``): a ``strict=False`` preparation for another dtype or device of ``x``
+    reuses its preparation's pattern and colours this way. Unlike a ``KnownColoring`` a user
+    passes (their promise for every call), it is watched as the traced pattern it came from is,
+    and traced and coloured again with ``coloring`` when what ``f`` reads changes."""
+
+    __slots__ = ("coloring",)
+
+    def __init__(self, known: KnownColoring, coloring: Any) -> None:
+        self.sets, self.colors, self.mode = known.sets, known.colors, known.mode
+        self.coloring = coloring
+        self._hash = hash((known._hash, coloring))
+
+    def __eq__(self, other: object) -> bool:
+        # Never equal to a user's KnownColoring of the same data: backends holding them are
+        # cached apart, and only this one is watched.
+        if not isinstance(other, KnownColoring):
+            return NotImplemented
+        return isinstance(other, TracedColoring) and KnownColoring.__eq__(self, other) is True and self.coloring == other.coloring
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Traced{KnownColoring.__repr__(self)[:-1]}, coloring={self.coloring!r})"
