@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 import torch
 from torch.func import grad, jvp, vjp
 
 import torchdi
+import torchdi as td
 from torchdi import (
     AutoAutograd,
     AutoCompile,
@@ -133,3 +137,24 @@ def test_compiled_same_point_is_one_program_of_the_tangents():
 def test_exported():
     for name in ("prepare_pushforward_same_point", "prepare_pullback_same_point", "prepare_hvp_same_point"):
         assert name in torchdi.__all__ and callable(getattr(torchdi, name))
+
+
+SCALE = 1.0
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return (SCALE * x.sin() ** 2).sum()
+
+
+@pytest.mark.parametrize("backend", [td.AutoAutograd(), td.AutoFunc(), td.AutoCompile(compiler="aot_eager")], ids=["autograd", "func", "compile"])
+def test_a_changed_global_is_refused_not_served_stale(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point's linearization was of f as it read its globals: after one changed, a call is
+    refused (before: the old global's HVP, silently)."""
+    x, t = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    prep = td.prepare_hvp_same_point(_scaled, backend, x, (t,))
+    td.hvp(_scaled, backend, x, (t,), prep=prep)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    with pytest.raises(td.PreparationMismatchError, match="what f reads besides x and the contexts changed"):
+        td.hvp(_scaled, backend, x, (t,), prep=prep)
+    monkeypatch.undo()  # the same global again: served
+    torch.testing.assert_close(td.hvp(_scaled, backend, x, (t,), prep=prep)[0], torch.autograd.functional.hvp(_scaled, x, t)[1])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import torchdi as td
+from torchdi import _fence as fence
 from torchdi.reads import Reads
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
@@ -279,3 +280,16 @@ def test_a_users_known_coloring_is_not_watched(monkeypatch: pytest.MonkeyPatch) 
     td.jacobian(rolled, backend, torch.randn(6, dtype=torch.float32), prep=prep)
     assert prep.runner.reads is None
     assert all(variant.runner.reads is None for variant in prep.variants.values())
+
+
+def test_reads_without_version_counters_compares_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fence's fallback (a torch without ``_version``): tensors are compared by value."""
+    monkeypatch.setattr(fence, "VERSION_COUNTER", None)
+    weights = torch.eye(6, dtype=torch.float64)
+    monkeypatch.setattr(module_this(), "WEIGHTS", weights)
+    reads = Reads.of(through_weights)
+    assert reads is not None and not reads.changed()
+    weights.add_(0.0)  # a write that changes no value: no change
+    assert not reads.changed()
+    weights[0, 1] = 1.0
+    assert reads.changed()

@@ -10,7 +10,7 @@ functions, classes and instances, ``nn.Module`` included, recursively; torch's, 
 standard library's modules count by name) and records each place it read and what it found
 there; ``changed()`` reads every place again. A found object is compared by identity (a simple
 value such as an int or a float by value, so rebinding an equal number is no change), a tensor
-also by its version counter (``t._version``: every in-place write bumps it), a numpy array by its
+also by its version counter (``_fence.tensor_version``: every in-place write bumps it), a numpy array by its
 values (it has no version counter), a list or dict by its length and items, a set by value.
 
 Cost: one Python comparison per place read. ``changed()`` on the heat equation of
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchdi._fence import tensor_version
 from torchdi.fingerprint import code_names, trusted_module
 
 __all__ = ["MAX_PLACES", "Reads"]
@@ -149,8 +150,12 @@ class Reads:
         self.seen.add(id(obj))
         self.keep.append(obj)
         if isinstance(obj, torch.Tensor):
-            version = obj._version
-            self._add(lambda: obj._version == version)
+            version = tensor_version(obj)
+            if version is not None:
+                self._add(lambda: tensor_version(obj) == version)
+            else:  # (a torch without version counters, _fence: a copy of the values)
+                values = obj.detach().clone()
+                self._add(lambda: obj.shape == values.shape and obj.dtype == values.dtype and bool(torch.equal(obj.detach(), values)))
         elif isinstance(obj, np.ndarray):
             copy = obj.copy()
             self._add(lambda: obj.shape == copy.shape and obj.dtype == copy.dtype and bool(np.array_equal(obj, copy)))

@@ -6,8 +6,9 @@ part of the computation only, ``torch.func.linearize``). Each call with new tang
 only the tangent work: Newton-Krylov and Newton-CG solvers ask for many tangents at one point.
 
 The check that the call is at that point is identity and version counter of every tensor of
-``x`` and of the contexts (O(1) per tensor), made on every call whatever ``strict`` says: a
-same-point ``Prep`` never serves a stale result. Unlike other preparations it keeps what it
+``x`` and of the contexts (O(1) per tensor), and that nothing else ``f`` reads changed (its
+globals, closure cells, attributes, closed-over tensors: ``torchdi.reads``), made on every call
+whatever ``strict`` says: a same-point ``Prep`` never serves a stale result. Unlike other preparations it keeps what it
 computed at its point alive (DESIGN rule 4's exception).
 """
 
@@ -33,6 +34,7 @@ from torchdi.engines.base import like_primal
 from torchdi.operators._core import prepare_operator
 from torchdi.operators._guards import snapshot, written_since
 from torchdi.prep import Prep, PreparationMismatchError
+from torchdi.reads import Reads
 from torchdi.runners import BoundFunction, Runner, Spec, build_runner
 
 __all__ = ["prepare_hvp_same_point", "prepare_pullback_same_point", "prepare_pushforward_same_point"]
@@ -101,7 +103,7 @@ def _prepare_same_point(
     family: str, operator: str, f: Callable[..., Any], backend: Backend, x: Any, tangents: Any,
     contexts: tuple[Any, ...], strict: bool, has_aux: bool,
 ) -> Prep:
-    point = _Point(x, [c.value if isinstance(c, Context) else c for c in contexts], operator)
+    point = _Point(x, [c.value if isinstance(c, Context) else c for c in contexts], operator, Reads.of(f))
     prep = prepare_operator(
         family, operator, f, backend, x, tangents, contexts, strict, has_aux=has_aux, runner_factory=_same_point_runner
     )
@@ -112,10 +114,13 @@ def _prepare_same_point(
 class _Point:
     """The tensors a same-point ``Prep`` was prepared at: weak references and version counters."""
 
-    def __init__(self, x: Any, values: list[Any], operator: str) -> None:
+    def __init__(self, x: Any, values: list[Any], operator: str, reads: Reads | None) -> None:
         self.operator = operator
         self.x = self._watch(x)
         self.contexts = [self._watch(v) for v in values]
+        # What f reads besides x and the contexts (torchdi.reads): the linearization was of f as
+        # it read them. None: too much to watch (a debug line; not checked).
+        self.reads = reads
 
     @staticmethod
     def _watch(tree: Any) -> list[tuple[weakref.ref[torch.Tensor], tuple[int | None, torch.Tensor | None]]]:
@@ -126,6 +131,11 @@ class _Point:
         problem = self._compare("x", self.x, x)
         for i, (watched, value) in enumerate(zip(self.contexts, values)):
             problem = problem or self._compare(f"context {i + 1}", watched, value)
+        if not problem and self.reads is not None and self.reads.changed():
+            problem = (
+                "what f reads besides x and the contexts changed since preparation (a global, a closure cell, an "
+                "attribute, a helper function, a tensor written in place), so what it computed there is of another f"
+            )
         if problem:
             raise PreparationMismatchError(
                 f"{self.operator.replace('prepare_', '').replace('_same_point', '')}: this prep from {self.operator} serves "
