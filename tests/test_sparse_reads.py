@@ -293,3 +293,26 @@ def test_reads_without_version_counters_compares_values(monkeypatch: pytest.Monk
     assert not reads.changed()
     weights[0, 1] = 1.0
     assert reads.changed()
+
+
+def rolled_by(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x * x.roll(k)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "loose"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_a_static_context_value_that_changes_the_pattern(name: str, strict: bool) -> None:
+    """An int context is static: the tracer reads its value (x.roll(k)); eager backends' strict
+    check (and strict=False on all) let it change, so the pattern is traced again for a new k."""
+    backend = BACKENDS[name]()
+    x = torch.randn(6, dtype=torch.float64)
+    prep = td.prepare_jacobian(rolled_by, backend, x, td.Constant(1), strict=strict)
+    try:
+        result = td.jacobian(rolled_by, backend, x, td.Constant(2), prep=prep).to_dense()
+    except td.PreparationMismatchError:  # a compiled backend's strict check compares static values
+        assert strict and name == "compile"
+        return
+    torch.testing.assert_close(result, torch.autograd.functional.jacobian(lambda x_: rolled_by(x_, 2), x))
+    torch.testing.assert_close(
+        td.jacobian(rolled_by, backend, x, td.Constant(1), prep=prep).to_dense(), torch.autograd.functional.jacobian(lambda x_: rolled_by(x_, 1), x)
+    )

@@ -239,7 +239,9 @@ class AutoSparse:
     (``torchdi.reads``: identities, simple values, tensors' version counters; about 0.1 us per
     place) and traces the pattern again when something changed, colouring and preparing again
     when it is not inside the old one; a write through ``tensor.data`` bumps no version and is not
-    seen. A ``KnownSparsity`` or ``KnownColoring`` is used as given. Every call also compares the
+    seen. Static context values (an int, a string, a ``Static``: ``x.roll(k)`` with
+    ``Constant(k)``) are compared too, and a new one traces the pattern again. A
+    ``KnownSparsity`` or ``KnownColoring`` is used as given. Every call also compares the
     shape of ``f(x)`` with the pattern's: a changed one raises ``PreparationMismatchError``.
 
     Args:

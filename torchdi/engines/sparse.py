@@ -68,6 +68,7 @@ from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownColoring, KnownSparsity, TracedColoring, known_sparsity
 from torchdi.sparsity.tracer import TracerSparsity, trace_sparsity
+from torchdi.translate import Static
 
 __all__ = ["SparseEngine", "SparseRunner"]
 
@@ -281,6 +282,26 @@ def _no_colors(mode: str, m: int, n: int) -> np.ndarray:
     return np.full(m if mode == "reverse" else n, -1, dtype=np.int64)
 
 
+# Context leaves that to_device_tensor keeps static: the tracer reads their values (x.roll(k)
+# with Constant(k)), and the strict check of an eager dense backend (or strict=False) lets them
+# change, so a call compares them. Immutable values only: nothing of the user's is kept alive.
+_STATIC_VALUES = (int, bool, str, bytes, type(None), torch.dtype, torch.device, Static)
+
+
+def _statics(contexts: tuple[Any, ...]) -> tuple[tuple[int, Any], ...]:
+    """The static context leaves the traced pattern may depend on, with their positions."""
+    return tuple((i, leaf) for i, leaf in enumerate(pytree.tree_leaves(contexts)) if isinstance(leaf, _STATIC_VALUES))
+
+
+def _statics_changed(statics: tuple[tuple[int, Any], ...], contexts: tuple[Any, ...]) -> bool:
+    """Whether a leaf ``_statics`` recorded holds another value now."""
+    leaves = pytree.tree_leaves(contexts)
+    for i, value in statics:
+        if i >= len(leaves) or type(leaves[i]) is not type(value) or leaves[i] != value:
+            return True
+    return False
+
+
 class SparseRunner:
     """The sparse jacobian (``(y, J)``) or hessian (``(y, grad, H)``) runner of one preparation.
 
@@ -319,6 +340,8 @@ class SparseRunner:
         # pattern was traced from f as it read them, and a change makes it stale (None: a
         # KnownSparsity or KnownColoring, which the user vouches for, or too much to watch).
         self.reads: Reads | None = None
+        # The static context values (ints, strings, Static ...) the pattern was traced with.
+        self.statics: tuple[tuple[int, Any], ...] = ()
         self.pattern = IndexSets.empty(0, 0)
         self.earlier_compilations = 0  # of the runners a re-preparation replaced
 
@@ -543,6 +566,7 @@ class SparseRunner:
         self.pattern = pattern
         traced = not isinstance(self.backend.sparsity, KnownSparsity) and (known is None or isinstance(known, TracedColoring))
         self.reads = Reads.of(self.f) if traced else None
+        self.statics = _statics(contexts) if traced else ()
         if traced and self.reads is None:
             logger.warning(
                 "torchdi: AutoSparse cannot watch everything %s reads (more than %d places): a change to its globals, "
@@ -568,8 +592,8 @@ class SparseRunner:
         }
 
     def _prepare_again(self, x: torch.Tensor, contexts: tuple[Any, ...]) -> None:
-        """What f reads changed since the pattern was traced (``self.reads``): trace it again at
-        this x. A pattern inside the old one keeps the old colouring (it recovers every entry of a
+        """What f reads changed since the pattern was traced (``self.reads``), or a static context
+        value (``self.statics``): trace it again at this x. A pattern inside the old one keeps the old colouring (it recovers every entry of a
         sub-pattern, the others as zeros); any other is coloured and prepared again, its
         compilations counted, and logged as a guard failure is."""
         hessian = self.family == "hessian"
@@ -578,16 +602,16 @@ class SparseRunner:
         pattern, _, _ = _detect(self.backend, self.f, self.spec, x, contexts, hessian)
         if IndexSets.union([self.pattern, pattern]).nnz == self.pattern.nnz:
             logger.info("torchdi: what %s reads changed; its sparsity pattern did not grow: kept", _name(self.f))
-            self.reads = Reads.of(self.f)
+            self.reads, self.statics = Reads.of(self.f), _statics(contexts)
             return
         before = self.pattern.nnz
         self.earlier_compilations = self.num_compilations
         self.warm_up(x, None, contexts)
         logger.warning(
-            "torchdi: AutoSparse prepared the %s of %s again (compilations: %d) because what it reads besides x and "
-            "the contexts changed (a global, a closure cell, an attribute, a tensor written in place) and with it "
-            "the sparsity pattern (%d -> %d entries). Pass values that change as Constant contexts, which the "
-            "pattern never depends on.",
+            "torchdi: AutoSparse prepared the %s of %s again (compilations: %d) because what it reads besides x "
+            "changed (a global, a closure cell, an attribute, a tensor written in place, a static context value) and with it "
+            "the sparsity pattern (%d -> %d entries). Tensors and floats that change are best passed as Constant "
+            "contexts, whose values the pattern never depends on.",
             self.family, _name(self.f), self.num_compilations, before, self.pattern.nnz,
         )
 
@@ -633,7 +657,7 @@ class SparseRunner:
     # both entry points rather than reached through _run: one Python frame less per call.
     def __call__(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         reads = self.reads
-        if reads is not None and reads.changed():
+        if (reads is not None and reads.changed()) or (self.statics and _statics_changed(self.statics, contexts)):
             self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:
@@ -646,7 +670,7 @@ class SparseRunner:
     def checked_call(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call whose strict check has passed: the dense runners may take their fast paths."""
         reads = self.reads
-        if reads is not None and reads.changed():
+        if (reads is not None and reads.changed()) or (self.statics and _statics_changed(self.statics, contexts)):
             self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:
