@@ -523,9 +523,10 @@ def _refuse_changed_output(prep: Prep, f: Callable[..., Any], x: Any, values: tu
     ``f(x)``; the runners that hold it then fail inside torch (a cotangent or basis of the old
     shape, a gather at the old pattern's positions) with errors that do not say why. ``f`` is
     evaluated once more to tell, on this failing path only (never on a successful call, so it
-    costs nothing there), and not when it would update a ``State`` a second time. Runners whose
+    costs nothing there), and not when it would update a ``State`` a second time, nor in a process
+    group (f may issue collectives that ranks without the failure would not match). Runners whose
     result would otherwise be silently of the old size check on every call instead."""
-    if prep.output_shape is None or "State" in context_kinds(contexts):
+    if prep.output_shape is None or "State" in context_kinds(contexts) or process_group_initialized():
         return
     try:
         with torch.set_grad_enabled(prep.f_needs_grad):
