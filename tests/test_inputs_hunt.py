@@ -12,7 +12,7 @@ import torch
 from torch.func import grad, hessian, jacfwd, jvp
 
 import torchdi as td
-from torchdi.engines.base import overlaps_itself
+from torchdi.translate import overlaps_itself
 
 EAGER = {
     "autograd": td.AutoAutograd(),
@@ -173,3 +173,28 @@ def test_meta_x_on_autodiff_backends_gives_shapes() -> None:
     for backend in (td.AutoAutograd(), td.AutoFunc()):
         j = td.jacobian(_vector, backend, x)
         assert j.is_meta and j.shape == (3, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("operator", ["hvp", "hessian"])
+def test_compiled_forward_mode_of_a_complex_view_at_an_offset(dtype: torch.dtype, operator: str) -> None:
+    # x = base[2:].view(3, 4) (storage offset 2): dynamo traced it at its offset, and forward mode
+    # over x.conj() failed with a torch internal assert ("tangent have the same layout as primal").
+    backend = td.AutoCompile(compiler="aot_eager")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * x.conj()).real.sum() + torch.sin(x).real.sum()
+
+    base = torch.randn(14, dtype=dtype)
+    x = base[2:].view(3, 4)
+    v = torch.randn(3, 4, dtype=dtype)
+    args = (x, (v,)) if operator == "hvp" else (x,)
+    prep = getattr(td, f"prepare_{operator}")(f, backend, *args)
+    compilations = prep.num_compilations
+    for point in (x, base.flip(0)[2:].view(3, 4)):
+        args = (point, (v,)) if operator == "hvp" else (point,)
+        got = getattr(td, operator)(f, backend, *args, prep=prep)
+        want = getattr(td, operator)(f, td.AutoFunc(), *args)
+        torch.testing.assert_close(got, want)
+    assert prep.num_compilations == compilations
+    assert x.storage_offset() == 2 and x._version == 0

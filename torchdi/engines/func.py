@@ -14,9 +14,10 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFunc
 from torchdi.engines._dynamo import functorch_level
-from torchdi.engines.base import ALL_FAMILIES, overlaps_itself
+from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
 from torchdi.runners import register_engine
+from torchdi.translate import overlaps_itself
 
 __all__ = ["FuncEngine", "in_output_shape", "scalar_output"]
 

@@ -11,9 +11,9 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import _BACKEND_TYPES, Backend
 from torchdi.composition import state_refusal
-from torchdi.engines.base import overlaps_itself
 from torchdi.families import FAMILIES, Family
 from torchdi.runners import BoundFunction, TreeMeta
+from torchdi.translate import overlaps_itself
 
 __all__ = [
     "canonical_x",
