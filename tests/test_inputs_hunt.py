@@ -198,3 +198,25 @@ def test_compiled_forward_mode_of_a_complex_view_at_an_offset(dtype: torch.dtype
         torch.testing.assert_close(got, want)
     assert prep.num_compilations == compilations
     assert x.storage_offset() == 2 and x._version == 0
+
+
+@pytest.mark.xfail(strict=True, reason="torch bug: nested forward mode of tensor * Python float under dynamo (README, AutoCompile details)")
+def test_compiled_second_derivative_of_a_vector_times_a_python_float() -> None:
+    # Found by the sweep; raw torch.compile of jvp(jvp(f)) fails the same way (torch 2.13, 2.14).
+    # Strict: this test starts passing, and tells, once torch fixes it.
+    def f(s: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.sin(s), s * s]) * 2.5
+
+    s = torch.tensor(0.3, dtype=torch.float64)
+    got = td.second_derivative(f, td.AutoCompile(compiler="aot_eager"), s)
+    torch.testing.assert_close(got, jacfwd(jacfwd(f))(s))
+
+
+def test_compiled_second_derivative_with_a_tensor_factor_works() -> None:
+    # The workaround the README names: a 0-d tensor in place of the Python float.
+    def f(s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.sin(s), s * s]) * c
+
+    s, c = torch.tensor(0.3, dtype=torch.float64), torch.tensor(2.5, dtype=torch.float64)
+    got = td.second_derivative(f, td.AutoCompile(compiler="aot_eager"), s, td.Constant(c))
+    torch.testing.assert_close(got, jacfwd(jacfwd(f))(s, c))
