@@ -18,4 +18,3 @@ def like_primal(tangent: Any, primal: Any) -> Any:
     promotes the tangent of a 0-d float32 tensor times a Python float to float64, losing the
     wrapped-number rule that keeps the primal float32."""
     return pytree.tree_map(lambda t, p: t if t.dtype == p.dtype else t.to(p.dtype), tangent, primal)
-
