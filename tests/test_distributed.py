@@ -108,12 +108,12 @@ def test_all_reduce_takes_expanded_gradients_of_a_linear_term(single_process_gro
 
 
 def test_overlap_check_is_exact_on_common_layouts():
-    from torchdi.distributed import _overlaps
+    from torchdi.translate import overlaps_itself
 
-    assert not _overlaps(torch.ones(3, 4)) and not _overlaps(torch.ones(3, 4).t()) and not _overlaps(torch.ones(6)[::2])
-    assert _overlaps(torch.ones(1).expand(3)) and _overlaps(torch.ones(3, 1).expand(3, 4))
-    assert _overlaps(torch.ones(10).as_strided((3, 3), (2, 1)))
-    assert not _overlaps(torch.ones(1, 1).expand(1, 1))
+    assert not overlaps_itself(torch.ones(3, 4)) and not overlaps_itself(torch.ones(3, 4).t()) and not overlaps_itself(torch.ones(6)[::2])
+    assert overlaps_itself(torch.ones(1).expand(3)) and overlaps_itself(torch.ones(3, 1).expand(3, 4))
+    assert overlaps_itself(torch.ones(10).as_strided((3, 3), (2, 1)))
+    assert not overlaps_itself(torch.ones(1, 1).expand(1, 1))
 
 
 @functools.cache

@@ -46,6 +46,7 @@ from torchdi._distributed_private import (
 )
 from torchdi.backends import DataParallel as DataParallel  # exported here, as DESIGN names it
 from torchdi.errors import UnsupportedOperatorError
+from torchdi.translate import overlaps_itself
 
 __all__ = ["DataParallel", "all_reduce_", "functional_call"]
 
@@ -102,7 +103,7 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
         with torch.no_grad():
             for t in bucket:
                 reduced = flat[offset : offset + t.numel()].view(t.shape)
-                if _overlaps(t):
+                if overlaps_itself(t):
                     # An expanded gradient (d sum(x) is a stride-0 view of one number): its
                     # elements share memory, so it cannot hold different values; the tensor is
                     # pointed at its own reduced storage instead, still in place for the caller.
@@ -112,19 +113,6 @@ def all_reduce_(grads: Any, group: Any = None, op: str = "mean") -> Any:
                     t.copy_(reduced)
                 offset += t.numel()
     return grads
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share memory (conservative: ``True`` when unsure).
-
-    Dimensions sorted by stride, each must step past everything the smaller ones span.
-    """
-    span = 0
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
 
 
 def _buckets(leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:

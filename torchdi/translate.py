@@ -17,6 +17,7 @@ __all__ = [
     "keep_float_factories_traced",
     "copyto_",
     "float_positions",
+    "overlaps_itself",
     "ravel",
     "to_device_tensor",
     "unravel",
@@ -312,6 +313,26 @@ def _copy_csr_values(dst: torch.Tensor, src: torch.Tensor, leaf: int) -> None:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (conservative: ``True`` when unsure): an
+    ``expand``ed tensor (stride 0), an ``as_strided`` view whose strides overlap.
+
+    Dimensions sorted by stride, each must step past everything the smaller ones span. Such a
+    tensor cannot take different values per element: ``torch.func``'s forward mode refuses it as
+    a primal ("more than one element of the written-to tensor refers to a single memory
+    location"), so operators hand runners a contiguous copy of such an ``x`` (and ``AutoFunc`` of
+    such a context primal), and ``distributed.all_reduce_`` points such a gradient at fresh memory.
+    """
+    if t.numel() <= 1:
+        return False
+    span = 0
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def copyfrom(src: Any, out: Any = None) -> Any:

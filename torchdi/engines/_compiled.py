@@ -280,7 +280,19 @@ def _with_floats_restored(runner: Any, positions: tuple[int, ...]) -> Any:
 
 
 def _contiguous(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tree)
+    """``tree`` with its tensors in the layout programs are compiled for: contiguous, at offset 0.
+
+    (A view into a larger tensor, ``b[2:].view(3, 4)``, keeps its storage offset through
+    ``contiguous()``; dynamo traces it as such, and forward mode over a complex one then fails
+    inside torch: "Expected the output of forward differentiable view operations to have the
+    tangent have the same layout as primal", an internal assert of ``x.conj()`` in an HVP.)
+    """
+    return pytree.tree_map(
+        lambda t: (t.contiguous() if t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format))
+        if isinstance(t, torch.Tensor)
+        else t,
+        tree,
+    )
 
 
 class CompiledRunner:

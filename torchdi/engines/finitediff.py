@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoFiniteDiff
 from torchdi.engines._dynamo import is_functorch_wrapped
+from torchdi.errors import UnsupportedOperatorError
 from torchdi.runners import FALLBACKS, register_engine
 
 __all__ = ["FiniteDiffEngine"]
@@ -88,6 +89,12 @@ class FiniteDiffEngine:
     def _pushforward(self, f: Any) -> Any:
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             leaves = pytree.tree_leaves(x)
+            if any(leaf.is_meta for leaf in leaves):
+                # (the step size reads x's values: torch would fail in .item() with no hint)
+                raise UnsupportedOperatorError(
+                    "AutoFiniteDiff: x is on the meta device, which holds no values to take differences "
+                    "of; AutoAutograd() or AutoFunc() give derivatives of meta tensors (their shapes and dtypes)"
+                )
             relative = self._relative_step(leaves[0].dtype, order=1)
             y = f(x, contexts)
             count = pytree.tree_leaves(tx)[0].shape[0]

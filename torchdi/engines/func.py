@@ -17,6 +17,7 @@ from torchdi.engines._dynamo import functorch_level
 from torchdi.engines.base import ALL_FAMILIES
 from torchdi.engines.base import like_primal as _like_primal
 from torchdi.runners import register_engine
+from torchdi.translate import overlaps_itself
 
 __all__ = ["FuncEngine", "in_output_shape", "scalar_output"]
 
@@ -54,7 +55,8 @@ def _jvp_through_contexts(f: Any, x: Any, tx: Any, contexts: tuple[Any, ...]) ->
             inner[i] = tensor
         return f(x_, pytree.tree_unflatten(inner, context_spec))
 
-    tensors = tuple(leaves[i] for i in positions)
+    # (an expanded context tensor cannot be a primal: see overlaps_itself)
+    tensors = tuple(leaves[i].contiguous() if overlaps_itself(leaves[i]) else leaves[i] for i in positions)
     return _jvp(with_contexts, (x, *tensors), (tx, *(torch.zeros_like(t) for t in tensors)))
 
 

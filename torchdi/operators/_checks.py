@@ -13,6 +13,7 @@ from torchdi.backends import _BACKEND_TYPES, Backend
 from torchdi.composition import state_refusal
 from torchdi.families import FAMILIES, Family
 from torchdi.runners import BoundFunction, TreeMeta
+from torchdi.translate import overlaps_itself
 
 __all__ = [
     "canonical_x",
@@ -47,11 +48,16 @@ def canonical_x(x: Any, family: str, operator: str, detach: bool = True) -> Any:
     if isinstance(x, torch.Tensor):
         if not (x.is_floating_point() or x.is_complex()):
             raise TypeError(f"{operator}: x must have a floating-point or complex dtype, got {x.dtype}")
+        if not x.is_contiguous() and overlaps_itself(x):
+            x = x.contiguous()
         return x.detach() if detach and x.requires_grad else x
     if row.tensor_x:
         raise TypeError(f"{operator}: x must be a tensor, got {type(x).__name__}")
-    if type(x) is dict and x and all(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in x.values()):
-        # A flat dict of tensors (module parameters): the hot case, without a pytree round trip.
+    if type(x) is dict and x and all(
+        isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.is_contiguous() for v in x.values()
+    ):
+        # A flat dict of contiguous tensors (module parameters): the hot case, without a pytree
+        # round trip (a contiguous tensor never overlaps itself; other layouts take the walk below).
         return {k: v.detach() for k, v in x.items()} if detach and any(v.requires_grad for v in x.values()) else x
     leaves, spec = pytree.tree_flatten(x)
     if not leaves:
@@ -63,9 +69,13 @@ def canonical_x(x: Any, family: str, operator: str, detach: bool = True) -> Any:
                 f"found a leaf of type {type(leaf).__name__}"
                 + (f" and dtype {leaf.dtype}" if isinstance(leaf, torch.Tensor) else "")
             )
+    if any(not leaf.is_contiguous() and overlaps_itself(leaf) for leaf in leaves):
+        leaves = [leaf.contiguous() if overlaps_itself(leaf) else leaf for leaf in leaves]
+        x = pytree.tree_unflatten(leaves, spec)
     if detach and any(leaf.requires_grad for leaf in leaves):
         return pytree.tree_unflatten([leaf.detach() for leaf in leaves], spec)
     return x
+
 
 
 def check_tangents(tangents: Any, like: TreeMeta, like_name: str, operator: str, name: str) -> None:
@@ -152,6 +162,16 @@ def check_output(y: Any, row: Family, operator: str) -> None:
         )
     if not all(leaf.is_floating_point() or leaf.is_complex() for leaf in y_leaves):
         raise TypeError(f"{operator}: f must return floating-point tensors, got dtypes {[leaf.dtype for leaf in y_leaves]}")
+    # A gradient (an HVP, the hessian of a one-element f) is that of a real f: torch.autograd.grad
+    # and torch.func.grad refuse a complex output, and without this check backends differed (an
+    # error from inside torch or dynamo, or silently the derivative of the real part).
+    of_gradient = row.scalar_y or (row.name == "hessian" and isinstance(y, torch.Tensor) and y.numel() == 1)
+    if of_gradient and y.is_complex():
+        raise TypeError(
+            f"{operator}: f must return a real scalar, got dtype {y.dtype}; a gradient is defined for a "
+            "real-valued f (as for torch.autograd.grad and torch.func.grad): return y.real, y.abs() ** 2 "
+            "or the like, or use jacobian for the derivative of a complex output"
+        )
 
 
 def grad_probes(x: Any) -> tuple[Any, set[int]] | None:
