@@ -66,6 +66,7 @@ from torchdi.engines._dynamo import (
     sound_settings,
     split_marked_value,
 )
+from torchdi.errors import UnsupportedOperatorError
 from torchdi.fingerprint import fingerprint
 from torchdi.translate import (
     copyto_,
@@ -140,6 +141,10 @@ def _dynamo_settings() -> dict[str, Any]:
         "accumulated_recompile_limit": RECOMPILE_LIMIT,
         logging_knob: set(config_value(logging_knob, ())) | _logging_calls(),
     }
+
+
+# The message of the torch bug behind the refusal in CompiledRunner._warm_up.
+_NESTED_FORWARD_OVERLAP = "more than one element of the written-to tensor refers to a single memory location"
 
 
 def _entry_template(x: Any, tangents: Any, contexts: Any) -> Any:
@@ -478,6 +483,20 @@ class CompiledRunner:
                 "divides by its num_batches_tracked buffer). Keep such values in tensor operations "
                 "(e.g. BatchNorm with a numeric momentum), or use "
                 f"{fallback}an eager backend: AutoFunc() or AutoAutograd()."
+            ) from error
+        except Exception as error:
+            if _NESTED_FORWARD_OVERLAP not in str(error):
+                raise
+            # A torch bug, raised from dynamo's fake-tensor pass (torch 2.13 and 2.14): a jvp nested
+            # in a jvp (a second derivative) where f broadcasts a tensor it closes over against x
+            # (W * t**3). Vmapping the outer jvp (as jacfwd nests) traces, but inductor then
+            # segfaults on the graph (raw torch.compile of jacfwd(jacfwd(f)) too): refused instead.
+            raise UnsupportedOperatorError(
+                f"AutoCompile: torch.compile cannot trace the {self.name}: forward mode nested in forward mode "
+                "where f broadcasts a tensor it closes over against x (a torch bug, raised from dynamo's fake-tensor "
+                f"pass: {_NESTED_FORWARD_OVERLAP!r}). What works: pass that tensor to f as a torchdi.Constant "
+                "context (contexts enter forward mode as explicit primals, which compile), "
+                "SecondOrder(AutoFiniteDiff(), AutoCompile()), or an eager backend: AutoFunc() or AutoAutograd()."
             ) from error
         self.prepared = True
         if self.num_ops == 0:
