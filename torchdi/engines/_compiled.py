@@ -492,9 +492,10 @@ class CompiledRunner:
             # (W * t**3). Vmapping the outer jvp (as jacfwd nests) traces, but inductor then
             # segfaults on the graph (raw torch.compile of jacfwd(jacfwd(f)) too): refused instead.
             raise UnsupportedOperatorError(
-                f"AutoCompile: torch.compile cannot trace the {self.name}: forward mode nested in forward mode "
-                "where f broadcasts a tensor it closes over against x (a torch bug, raised from dynamo's fake-tensor "
-                f"pass: {_NESTED_FORWARD_OVERLAP!r}). What works: pass that tensor to f as a torchdi.Constant "
+                f"AutoCompile: torch.compile cannot trace the {self.name}: in forward mode (nested, as in a second "
+                "derivative), a tensor f closes over is broadcast against x or has elements sharing memory (a torch "
+                f"bug, raised from dynamo's fake-tensor pass: {_NESTED_FORWARD_OVERLAP!r}). What works: pass that "
+                "tensor to f as a torchdi.Constant "
                 "context (contexts enter forward mode as explicit primals, which compile), "
                 "SecondOrder(AutoFiniteDiff(), AutoCompile()), or an eager backend: AutoFunc() or AutoAutograd()."
             ) from error
