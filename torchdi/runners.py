@@ -31,6 +31,7 @@ from torchdi.families import FAMILIES
 __all__ = [
     "FALLBACKS",
     "BoundFunction",
+    "Composed",
     "CountsCompilations",
     "DropsValue",
     "Engine",
@@ -47,6 +48,7 @@ __all__ = [
     "build_runner",
     "check_output_shapes",
     "checked_entry",
+    "composed",
     "engine_for",
     "implements",
     "num_compilations",
@@ -380,6 +382,43 @@ def build_runner(backend: Backend, family: str, f: BoundFunction, spec: Spec) ->
             ) from None
         runner = fallback(backend, f, spec)
     return runner
+
+
+class Composed:
+    """A runner a generic fallback composed of other runners (``parts``) that compile.
+
+    A compiled runner nested in a composition that is not itself one compiled program (finite
+    differences over a compiled gradient, the hessian's loop of a compiled HVP beside its
+    gradient) compiles on its first call: ``warm_up`` makes that call at preparation, so that the
+    first call after it compiles nothing (rule 2), and ``num_compilations`` counts the parts'
+    compilations, which ``Prep.num_compilations`` reports.
+
+    Args:
+        run: the composed runner.
+        parts: the runners it calls (directly or through the functions it differentiates).
+    """
+
+    def __init__(self, run: Runner, parts: tuple[Runner, ...]) -> None:
+        self.run = run
+        self.parts = parts
+
+    def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
+        return self.run(x, tangents, contexts)
+
+    def warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
+        self.run(x, tangents, contexts)  # (each nested compiled runner compiles on this first call)
+
+    @property
+    def num_compilations(self) -> int:
+        return sum(num_compilations(part) for part in self.parts)
+
+
+def composed(run: Runner, *parts: Runner) -> Runner:
+    """``run`` as a ``Composed`` runner when one of ``parts`` compiles and ``run`` does not count
+    it itself (a compiled program that traces the parts is its own count), else ``run`` as it is."""
+    if implements(run, CountsCompilations) or not any(implements(part, CountsCompilations) for part in parts):
+        return run
+    return Composed(run, parts)
 
 
 def zero_runner(family: str, f: BoundFunction, spec: Spec) -> Runner:

@@ -20,6 +20,7 @@ from torchdi.runners import (
     Spec,
     TreeMeta,
     build_runner,
+    composed,
     register_fallback,
     replace_spec,
 )
@@ -85,7 +86,7 @@ def hessian_from_hvps(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
         _, columns = hvps(x, spec.x.basis(x), contexts)  # (n, *x_shape): H e_i, a column of H
         return y, grad, columns.reshape(n, n).T.reshape(x_shape + x_shape)
 
-    return run
+    return composed(run, hvps, value_and_gradient)
 
 
 def hessian_from_jacobians(backend: Backend, f: BoundFunction, spec: Spec) -> Runner:
@@ -106,7 +107,7 @@ def hessian_from_jacobians(backend: Backend, f: BoundFunction, spec: Spec) -> Ru
         _, hess = outer_jacobian(x, None, contexts)  # (*y_shape, *x_shape, *x_shape)
         return y, jac, hess
 
-    return run
+    return composed(run, inner_jacobian, outer_jacobian)
 
 
 register_fallback("hessian", hessian_from_hvps)

@@ -19,6 +19,7 @@ from torchdi.runners import (
     Spec,
     TreeMeta,
     build_runner,
+    composed,
     register_fallback,
     replace_spec,
 )
@@ -77,7 +78,7 @@ def second_derivative_from_derivatives(backend: Backend, f: BoundFunction, spec:
         (y, dy), (_, d2y) = pushforward(x, torch.ones((1,), dtype=x.dtype, device=x.device), contexts)
         return y, dy, d2y[0]
 
-    return run
+    return composed(run, inner_derivative, pushforward)
 
 
 register_fallback("second_derivative", second_derivative_from_derivatives)
