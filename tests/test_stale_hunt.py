@@ -71,3 +71,41 @@ def test_a_composed_second_order_operator_compiles_at_preparation_and_counts_it(
         torch.testing.assert_close(operator(f, backend, point, prep), reference(point), **tol)
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after preparation
     assert prep.num_compilations == compiled
+
+
+WEIGHT = 2.0
+
+
+def _weighted(x: torch.Tensor) -> torch.Tensor:
+    return WEIGHT * (x.sin() ** 2 * x.roll(1)).sum()
+
+
+@pytest.mark.parametrize("family", ["hvp", "hessian"])
+def test_compiled_over_compiled_second_order_is_one_program_under_its_guards(family):
+    """SecondOrder(AutoCompile(), AutoCompile()) (a pair the README says works) failed at
+    preparation with dynamo's "does not know how to trace method replace of class code": the inner
+    compiled gradient tried to compile itself inside the outer program's trace. It is traced into
+    the outer program now: right results, compiled at preparation, and a changed global is seen."""
+    global WEIGHT
+    backend = td.SecondOrder(ACE, ACE)
+    x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    t = torch.linspace(0.5, -0.5, 4, dtype=torch.float64)
+    if family == "hvp":
+        prep = td.prepare_hvp(_weighted, backend, x, (t,))
+        run = lambda point: td.hvp(_weighted, backend, point, (t,), prep=prep)[0]  # noqa: E731
+        reference = lambda point: torch.func.hessian(_weighted)(point) @ t  # noqa: E731
+    else:
+        prep = td.prepare_hessian(_weighted, backend, x)
+        run = lambda point: td.hessian(_weighted, backend, point, prep=prep)  # noqa: E731
+        reference = torch.func.hessian(_weighted)
+    compiled = prep.num_compilations
+    assert compiled >= 1
+    try:
+        for point in (x, x * 2 - 0.3):
+            torch.testing.assert_close(run(point), reference(point))
+        assert prep.num_compilations == compiled
+        WEIGHT = 5.0
+        torch.testing.assert_close(run(x), reference(x))
+        assert prep.num_compilations > compiled  # the outer program's guard on WEIGHT failed
+    finally:
+        WEIGHT = 2.0

@@ -541,6 +541,11 @@ class CompiledRunner:
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         """Run the entry whose dynamo guards pass, else go through ``torch.compile``."""
         if self._compiled is None:
+            if torch.compiler.is_compiling():
+                # Nested in another compiled runner that dynamo traces now (the outer program of
+                # SecondOrder(AutoCompile(), AutoCompile())): traced into that program, under its
+                # guards, rather than compiled apart (dynamo cannot trace a compilation).
+                return self.inner(x, tangents, contexts)
             # A runner nested in another one (finite differences over a compiled inner backend)
             # is not warmed up by preparation: it compiles on its first call.
             with torch.no_grad():
