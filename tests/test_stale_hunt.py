@@ -14,6 +14,50 @@ import torchdi as td
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 
+SHIFT = 1
+
+
+def rolled(x: torch.Tensor) -> torch.Tensor:
+    return x * x.roll(SHIFT)
+
+
+def rolled_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x * x.roll(SHIFT) * x).sum()
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    global SHIFT
+    yield
+    SHIFT = 1
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+@pytest.mark.parametrize("family", ["jacobian", "hessian"])
+@pytest.mark.parametrize("variant_first", [True, False], ids=["variant-then-change", "change-then-variant"])
+def test_a_strict_false_sparse_variant_sees_a_global_change(family, variant_first):
+    """A strict=False AutoSparse preparation serves another dtype of x with a variant that keeps
+    its pattern and colouring, and watches what f reads from then on. A variant made after SHIFT
+    changed (and before any call re-traced the preparation's pattern) took the old pattern and
+    recorded the new SHIFT as its own: a silently wrong matrix on every later call (before). It
+    reuses the preparation's pattern only while that is current now, else it traces its own."""
+    global SHIFT
+    f, reference = (rolled, torch.func.jacrev(rolled)) if family == "jacobian" else (rolled_sum, torch.func.hessian(rolled_sum))
+    prepare, operator = (td.prepare_jacobian, td.jacobian) if family == "jacobian" else (td.prepare_hessian, td.hessian)
+    backend = td.AutoSparse(td.AutoFunc())
+    x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)
+    prep = prepare(f, backend, x, strict=False)
+    if variant_first:
+        torch.testing.assert_close(_dense(operator(f, backend, x.float(), prep=prep)), reference(x.float()))
+    SHIFT = 2
+    for _ in range(2):
+        torch.testing.assert_close(_dense(operator(f, backend, x.float(), prep=prep)), reference(x.float()))
+        torch.testing.assert_close(_dense(operator(f, backend, x, prep=prep)), reference(x))
+    assert len(prep.variants) == 1
+
 
 # --- compositions whose compiled parts compiled on the first call, uncounted --------------------
 
@@ -109,3 +153,70 @@ def test_compiled_over_compiled_second_order_is_one_program_under_its_guards(fam
         assert prep.num_compilations > compiled  # the outer program's guard on WEIGHT failed
     finally:
         WEIGHT = 2.0
+
+
+# --- AutoSparse and static context values -----------------------------------------------------
+
+
+def rolled_by(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x * x.roll(k)
+
+
+def rolled_by_sum(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x * x.roll(k) * x).sum()
+
+
+@pytest.mark.parametrize(
+    "dense, family, strict",
+    [(td.AutoFunc(), family, strict) for family in ("jacobian", "hessian") for strict in (True, False)]
+    + [(td.AutoAutograd(), "jacobian", True), (ACE, "jacobian", False)],
+    ids=lambda v: v if isinstance(v, str) else (f"strict={v}" if isinstance(v, bool) else type(v).__name__),
+)
+def test_a_sparse_pattern_follows_a_static_context_value(dense, family, strict):
+    """The tracer bakes an int context into the pattern (x.roll(k) with Constant(k)); the strict
+    check lets its value change on eager dense backends, and strict=False on all. The pattern was
+    kept (before: a silently wrong matrix, also on AutoCompile, whose dynamo recompiled while the
+    colouring stayed); it is traced again now, and a strict=False variant for another dtype of x
+    made with another k than its preparation's pattern was traced with traces its own."""
+    f, reference = (rolled_by, torch.func.jacrev) if family == "jacobian" else (rolled_by_sum, torch.func.hessian)
+    prepare, operator = (td.prepare_jacobian, td.jacobian) if family == "jacobian" else (td.prepare_hessian, td.hessian)
+    backend = td.AutoSparse(dense)
+    x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)
+    prep = prepare(f, backend, x, td.Constant(1), strict=strict)
+    for k in (2, 1, 3):
+        torch.testing.assert_close(_dense(operator(f, backend, x, td.Constant(k), prep=prep)), reference(lambda x, k=k: f(x, k))(x))
+    if not strict:
+        for k in (2, 3):
+            want = reference(lambda x, k=k: f(x, k))(x.float())
+            torch.testing.assert_close(_dense(operator(f, backend, x.float(), td.Constant(k), prep=prep)), want)
+
+
+def test_sparse_variants_of_equal_patterns_keep_their_own_records_and_free_them():
+    """Variants are built through the engine cache, which is keyed by backend value: two preps
+    whose patterns and colours are equal must not share one variant's record of what f reads
+    (else a change to the second f is not seen), and the cache must keep nothing of f alive."""
+    import gc
+    import weakref
+
+    def make(shift: list[int]):
+        weights = torch.ones((), dtype=torch.float64)  # (0-d: x keeps its dtype)
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return weights * x * x.roll(shift[0])
+
+        return f, weakref.ref(weights)
+
+    first_shift, second_shift = [1], [1]
+    first, _ = make(first_shift)
+    second, alive = make(second_shift)
+    backend = td.AutoSparse(td.AutoFunc())
+    x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)
+    preps = [td.prepare_jacobian(f, backend, x, strict=False) for f in (first, second)]
+    for f, prep in zip((first, second), preps):
+        td.jacobian(f, backend, x.float(), prep=prep)  # each makes its float32 variant
+    second_shift[0] = 2
+    torch.testing.assert_close(td.jacobian(second, backend, x.float(), prep=preps[1]).to_dense(), torch.func.jacrev(second)(x.float()))
+    torch.testing.assert_close(td.jacobian(first, backend, x.float(), prep=preps[0]).to_dense(), torch.func.jacrev(first)(x.float()))
+    del preps, second, f, prep
+    gc.collect()
+    assert alive() is None

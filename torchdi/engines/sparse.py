@@ -20,6 +20,7 @@ import json
 import logging
 import time
 import warnings
+import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -300,6 +301,24 @@ def _statics_changed(statics: tuple[tuple[int, Any], ...], contexts: tuple[Any, 
         if i >= len(leaves) or type(leaves[i]) is not type(value) or leaves[i] != value:
             return True
     return False
+
+
+class _PatternCurrent:
+    """Whether a runner's pattern is still the one ``f`` gives: nothing it reads and no static
+    context value changed since it was traced. A ``strict=False`` variant for another dtype or
+    device of ``x`` starts from its preparation's pattern only then: made after such a change, it
+    would take the old pattern and record the new state as its own, and never trace again. (A weak
+    reference: the runner publishes it, and must not hold itself.)"""
+
+    def __init__(self, runner: weakref.ref[SparseRunner]) -> None:
+        self.runner = runner
+
+    def __call__(self, contexts: tuple[Any, ...]) -> bool:
+        runner = self.runner()
+        if runner is None:
+            return False
+        reads, statics = runner.reads, runner.statics
+        return not ((reads is not None and reads.changed()) or (statics and _statics_changed(statics, contexts)))
 
 
 class SparseRunner:
@@ -589,6 +608,8 @@ class SparseRunner:
             "coloring_seconds": colored - detected,
             # The pattern (when traced) and the colouring both came from the on-disk cache.
             "loaded_from_cache": bool(detection_loaded and coloring_loaded and (self.fused is None or self.fused.persist_key is None or self.fused.loaded_from_cache)),
+            # (for _core._prepared_again: a strict=False variant reuses this pattern only while it is current)
+            "pattern_current": _PatternCurrent(weakref.ref(self)),
         }
 
     def _prepare_again(self, x: torch.Tensor, contexts: tuple[Any, ...]) -> None:

@@ -578,8 +578,8 @@ def _prepared_again(
     """``prep`` prepared again (``strict=False``) for a call whose ``x`` or tangents (``key``)
     differ from the preparation's, or ``PreparationMismatchError`` where that is not sound: an
     ``AutoSparse`` jacobian or hessian keeps its sparsity pattern and colouring (prepared again
-    for another dtype or device with them, as a ``KnownColoring``: no detection), and these are
-    per shape of ``x``."""
+    for another dtype or device with them, as a ``KnownColoring``: no detection, while the
+    pattern is current: ``prep.pattern_current``), and these are per shape of ``x``."""
     backend = prep.backend
     if isinstance(backend, AutoSparse) and family in ("jacobian", "hessian"):
         expected, received = prep.loose_key[0], key[0]
@@ -592,6 +592,11 @@ def _prepared_again(
                 "preparation per shape.",
             )
         known = getattr(prep, "known_coloring", None)  # (none for an empty x or f(x): nothing to keep)
+        current = getattr(prep, "pattern_current", None)
+        if known is not None and current is not None:
+            values, _ = unwrap_contexts(contexts, operator, first_position=4 if tangents is not None else 3)
+            if not current(values):  # what f reads changed since prep traced it: the variant traces its own
+                known = None
         if known is not None:
             # A colouring torchdi traced stays watched in the variant (what f reads may change);
             # a user's KnownColoring stays the user's promise.
