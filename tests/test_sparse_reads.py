@@ -316,3 +316,17 @@ def test_a_static_context_value_that_changes_the_pattern(name: str, strict: bool
     torch.testing.assert_close(
         td.jacobian(rolled_by, backend, x, td.Constant(1), prep=prep).to_dense(), torch.autograd.functional.jacobian(lambda x_: rolled_by(x_, 1), x)
     )
+
+
+def test_reads_of_a_module_sees_a_swapped_submodule_and_a_new_hook() -> None:
+    layer = Layer()
+    reads = Reads.of(layer)
+    assert reads is not None and not reads.changed()
+    layer.lin = torch.nn.Linear(6, 6, bias=False, dtype=torch.float64)
+    assert reads.changed()
+    reads = Reads.of(layer)
+    assert reads is not None and not reads.changed()
+    handle = layer.register_forward_hook(lambda module, args, out: out * 2)
+    assert reads.changed()
+    handle.remove()
+    assert not reads.changed()
