@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAX_NODES", "code_names", "fingerprint", "source_digest", "trusted_module"]
+__all__ = ["CLASS_NOISE", "MAX_NODES", "SIMPLE_TYPES", "code_names", "fingerprint", "source_digest", "trusted_module"]
 
 MAX_NODES = 20_000
 # Modules keyed by name alone: their behaviour is pinned by the versions in every key.
@@ -33,9 +33,10 @@ _TRUSTED_ROOTS = frozenset({
     "torch", "numpy", "math", "cmath", "operator", "functools", "itertools", "builtins", "collections",
     "typing", "torchdi", "abc", "enum", "dataclasses", "scipy", "_operator", "_functools", "numbers",
 })
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
+# Immutable values keyed (and, in torchdi.reads, compared) by value.
+SIMPLE_TYPES = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
 # Attributes every class has that say nothing about behaviour.
-_CLASS_NOISE = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__annotations__",
+CLASS_NOISE = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__annotations__",
                           "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__"})
 
 
@@ -75,7 +76,7 @@ class _Walker:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise _Unkeyable(f"more than {MAX_NODES} objects")
-        if isinstance(obj, _SIMPLE):
+        if isinstance(obj, SIMPLE_TYPES):
             self.token(type(obj).__name__, obj)
             return
         if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
@@ -201,7 +202,7 @@ class _Walker:
         for base in cls.__bases__:
             self.walk(base)
         for name, value in vars(cls).items():
-            if name in _CLASS_NOISE:
+            if name in CLASS_NOISE:
                 continue
             self.token("class attribute", name)
             if isinstance(value, (staticmethod, classmethod)):

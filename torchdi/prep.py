@@ -15,11 +15,9 @@ from torch.utils import _pytree as pytree
 
 from torchdi.errors import PreparationMismatchError
 from torchdi.runners import Publishes, checked_entry, implements, num_compilations, runner_path
-from torchdi.translate import Static, to_device_tensor
+from torchdi.translate import IMMUTABLE_STATIC, to_device_tensor
 
 __all__ = ["PreparationMismatchError", "Prep", "describe", "describe_contexts"]
-
-_IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, Static)
 
 
 def _static_key(obj: Any) -> Any:
@@ -31,7 +29,7 @@ def _static_key(obj: Any) -> Any:
     from it is watched by the compiler's own guards, which recompile (counted and logged)
     rather than run a stale program.
     """
-    if isinstance(obj, _IMMUTABLE_STATIC):
+    if isinstance(obj, IMMUTABLE_STATIC):
         return obj
     return _ANY_VALUE
 

@@ -44,17 +44,13 @@ import numpy as np
 import torch
 
 from torchdi._fence import tensor_version
-from torchdi.fingerprint import code_names, trusted_module
+from torchdi.fingerprint import CLASS_NOISE, SIMPLE_TYPES, code_names, trusted_module
 
 __all__ = ["MAX_PLACES", "Reads"]
 
 MAX_PLACES = 20_000
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type(NotImplemented))
 _MISSING = object()
 _TORCHDI_DIR = str(Path(__file__).resolve().parent) + os.sep
-# Class attributes that say nothing about behaviour (as torchdi.fingerprint skips them).
-_CLASS_NOISE = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__annotations__",
-                          "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__"})
 
 
 class _TooMany(Exception):
@@ -65,7 +61,7 @@ def _same(found: Any, expected: Any) -> bool:
     """Whether ``found`` is what was recorded: simple values by type and value, others by identity."""
     if found is expected:
         return True
-    return isinstance(expected, _SIMPLE) and type(found) is type(expected) and found == expected
+    return isinstance(expected, SIMPLE_TYPES) and type(found) is type(expected) and found == expected
 
 
 def _entry_check(mapping: Any, key: Any, value: Any) -> Callable[[], bool]:
@@ -139,7 +135,7 @@ class Reads:
             self._walk(value)
 
     def _walk(self, obj: Any, names: set[str] | None = None) -> None:
-        if isinstance(obj, (*_SIMPLE, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
+        if isinstance(obj, (*SIMPLE_TYPES, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
             return  # immutable: the place that held it is what is compared
         if id(obj) in self.seen:
             return
@@ -242,7 +238,7 @@ class Reads:
 
     def _namespace(self, namespace: types.MappingProxyType[str, Any]) -> None:
         for name, raw in namespace.items():
-            if name in _CLASS_NOISE:
+            if name in CLASS_NOISE:
                 continue
             self._add(_entry_check(namespace, name, raw))
             if isinstance(raw, (staticmethod, classmethod)):

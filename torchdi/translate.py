@@ -12,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "IMMUTABLE_STATIC",
     "Static",
     "copyfrom",
     "keep_float_factories_traced",
@@ -61,6 +62,11 @@ class Static(Generic[T]):
                 f"Static(value) needs a hashable value (a float, int, str or a tuple of them), got "
                 f"{type(self.value).__name__}"
             ) from None
+
+
+# Static values a description compares by value (prep's strict check, AutoSparse's watch of the
+# context values its pattern was traced with): immutable, so holding one keeps nothing alive.
+IMMUTABLE_STATIC = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, Static)
 
 
 @functools.singledispatch

@@ -69,7 +69,7 @@ from torchdi.sparsity.dense import DenseSparsity
 from torchdi.sparsity.index_sets import IndexSets
 from torchdi.sparsity.known import KnownColoring, KnownSparsity, TracedColoring, known_sparsity
 from torchdi.sparsity.tracer import TracerSparsity, trace_sparsity
-from torchdi.translate import Static
+from torchdi.translate import IMMUTABLE_STATIC
 
 __all__ = ["SparseEngine", "SparseRunner"]
 
@@ -283,15 +283,12 @@ def _no_colors(mode: str, m: int, n: int) -> np.ndarray:
     return np.full(m if mode == "reverse" else n, -1, dtype=np.int64)
 
 
-# Context leaves that to_device_tensor keeps static: the tracer reads their values (x.roll(k)
-# with Constant(k)), and the strict check of an eager dense backend (or strict=False) lets them
-# change, so a call compares them. Immutable values only: nothing of the user's is kept alive.
-_STATIC_VALUES = (int, bool, str, bytes, type(None), torch.dtype, torch.device, Static)
-
-
 def _statics(contexts: tuple[Any, ...]) -> tuple[tuple[int, Any], ...]:
-    """The static context leaves the traced pattern may depend on, with their positions."""
-    return tuple((i, leaf) for i, leaf in enumerate(pytree.tree_leaves(contexts)) if isinstance(leaf, _STATIC_VALUES))
+    """The static context leaves the traced pattern may depend on, with their positions: the
+    tracer reads their values (x.roll(k) with Constant(k)), and the strict check of an eager dense
+    backend (or strict=False) lets them change, so a call compares them (``IMMUTABLE_STATIC``:
+    nothing of the user's is kept alive)."""
+    return tuple((i, leaf) for i, leaf in enumerate(pytree.tree_leaves(contexts)) if isinstance(leaf, IMMUTABLE_STATIC))
 
 
 def _statics_changed(statics: tuple[tuple[int, Any], ...], contexts: tuple[Any, ...]) -> bool:
