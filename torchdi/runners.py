@@ -52,6 +52,7 @@ __all__ = [
     "engine_for",
     "implements",
     "num_compilations",
+    "output_shape_error",
     "register_engine",
     "register_fallback",
     "replace_spec",
@@ -120,11 +121,18 @@ def check_output_shapes(y: Any, shapes: tuple[torch.Size, ...]) -> None:
     """
     leaves = (y,) if isinstance(y, torch.Tensor) else tuple(pytree.tree_leaves(y))
     received = tuple(leaf.shape for leaf in leaves if isinstance(leaf, torch.Tensor))
-    if received == shapes:
-        return
+    if received != shapes:
+        raise output_shape_error(received, shapes)
+
+
+def output_shape_error(received: tuple[torch.Size, ...], shapes: tuple[torch.Size, ...]) -> PreparationMismatchError:
+    """The ``PreparationMismatchError`` of ``check_output_shapes``: ``f(x)`` returned ``received``
+    shapes where the runner was built for ``shapes``."""
+
     def text(found: tuple[torch.Size, ...]) -> str:
         return ", ".join(str(tuple(shape)) for shape in found) or "no tensor"
-    raise PreparationMismatchError(
+
+    return PreparationMismatchError(
         f"f(x) returned shape {text(received)} where this preparation's f(x) had shape {text(shapes)}. "
         f"The preparation holds f(x)'s shape (a jacobian's size and basis, a pullback's cotangents, an AutoSparse "
         f"pattern, a gradient's one element); something f reads besides x (a context's value, a global, a closure cell, an attribute) changed "

@@ -312,10 +312,7 @@ class _PatternCurrent:
 
     def __call__(self, contexts: tuple[Any, ...]) -> bool:
         runner = self.runner()
-        if runner is None:
-            return False
-        reads, statics = runner.reads, runner.statics
-        return not ((reads is not None and reads.changed()) or (statics and _statics_changed(statics, contexts)))
+        return runner is not None and not runner.stale(contexts)
 
 
 class SparseRunner:
@@ -609,11 +606,18 @@ class SparseRunner:
             "pattern_current": _PatternCurrent(weakref.ref(self)),
         }
 
+    def stale(self, contexts: tuple[Any, ...]) -> bool:
+        """Whether the pattern may no longer be ``f``'s: something ``f`` reads besides ``x`` and the
+        contexts (``self.reads``), or a static context value (``self.statics``), changed since it
+        was traced."""
+        reads = self.reads
+        return (reads is not None and reads.changed()) or bool(self.statics and _statics_changed(self.statics, contexts))
+
     def _prepare_again(self, x: torch.Tensor, contexts: tuple[Any, ...]) -> None:
-        """What f reads changed since the pattern was traced (``self.reads``), or a static context
-        value (``self.statics``): trace it again at this x. A pattern inside the old one keeps the old colouring (it recovers every entry of a
-        sub-pattern, the others as zeros); any other is coloured and prepared again, its
-        compilations counted, and logged as a guard failure is."""
+        """The pattern is ``stale``: trace it again at this x. A pattern inside the old one keeps
+        the old colouring (it recovers every entry of a sub-pattern, the others as zeros); any
+        other is coloured and prepared again, its compilations counted, and logged as a guard
+        failure is."""
         hessian = self.family == "hessian"
         if isinstance(self.backend.coloring, TracedColoring):  # trace and colour as its first preparation did
             self.backend = dataclasses.replace(self.backend, coloring=self.backend.coloring.coloring)
@@ -674,8 +678,7 @@ class SparseRunner:
     # The hot path, the one program (its result's index tensors fresh from it), is written out in
     # both entry points rather than reached through _run: one Python frame less per call.
     def __call__(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-        reads = self.reads
-        if (reads is not None and reads.changed()) or (self.statics and _statics_changed(self.statics, contexts)):
+        if self.stale(contexts):
             self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:
@@ -687,8 +690,7 @@ class SparseRunner:
 
     def checked_call(self, x: torch.Tensor, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
         """A call whose strict check has passed: the dense runners may take their fast paths."""
-        reads = self.reads
-        if (reads is not None and reads.changed()) or (self.statics and _statics_changed(self.statics, contexts)):
+        if self.stale(contexts):
             self._prepare_again(x, contexts)
         fused = self.fused_entries
         if fused is not None:

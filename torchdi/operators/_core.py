@@ -62,9 +62,9 @@ from torchdi.runners import (
     TranslatesContexts,
     TreeMeta,
     build_runner,
-    check_output_shapes,
     engine_for,
     implements,
+    output_shape_error,
     warm_up,
     zero_runner,
 )
@@ -517,7 +517,7 @@ def run_operator(
 
 def _refuse_changed_output(prep: Prep, f: Callable[..., Any], x: Any, values: tuple[Any, ...], contexts: Sequence[Any], error: Exception) -> None:
     """After a runner failed: when ``f(x)`` no longer has the shape the preparation holds, raise
-    the ``PreparationMismatchError`` that says so (``check_output_shapes``), from ``error``.
+    the ``PreparationMismatchError`` that says so (``output_shape_error``), from ``error``.
 
     Rule 1 cannot see a context's value, a global or a closure cell that changes the shape of
     ``f(x)``; the runners that hold it then fail inside torch (a cotangent or basis of the old
@@ -535,10 +535,7 @@ def _refuse_changed_output(prep: Prep, f: Callable[..., Any], x: Any, values: tu
         return
     y = out[0] if prep.has_aux and isinstance(out, tuple) else out
     if isinstance(y, torch.Tensor) and y.shape != prep.output_shape:
-        try:
-            check_output_shapes(y, (prep.output_shape,))
-        except PreparationMismatchError as mismatch:
-            raise mismatch from error
+        raise output_shape_error((y.shape,), (prep.output_shape,)) from error
 
 
 def _loose_key(prep: Prep, x: Any, tangents: Any) -> tuple[Any, ...]:

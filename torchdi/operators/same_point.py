@@ -8,8 +8,8 @@ only the tangent work: Newton-Krylov and Newton-CG solvers ask for many tangents
 The check that the call is at that point is identity and version counter of every tensor of
 ``x`` and of the contexts (O(1) per tensor), and that nothing else ``f`` reads changed (its
 globals, closure cells, attributes, closed-over tensors: ``torchdi.reads``), made on every call
-whatever ``strict`` says: a same-point ``Prep`` never serves a stale result. Unlike other preparations it keeps what it
-computed at its point alive (DESIGN rule 4's exception).
+whatever ``strict`` says: a same-point ``Prep`` never serves a stale result. Unlike other
+preparations it keeps what it computed at its point alive (DESIGN rule 4's exception).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class _Point:
         self.x = self._watch(x)
         self.contexts = [self._watch(v) for v in values]
         # What f reads besides x and the contexts (torchdi.reads): the linearization was of f as
-        # it read them. None: too much to watch (a debug line; not checked).
+        # it read them. None: more than reads.MAX_PLACES places, not checked.
         self.reads = reads
 
     @staticmethod
