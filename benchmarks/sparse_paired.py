@@ -6,8 +6,11 @@ can move several-fold between runs, so a single ratio of medians misleads. This 
 round a batch of calls, and reports the median of the per-round ratios with its quartiles and
 extremes. Needs jax and asdex beside torch (see ``benchmarks/sparse.py``).
 
+With ``--compiler`` given more than once (``--compiler inductor --compiler aot_inductor``), each
+``AutoCompile(compiler=...)`` is a contender of its own, paired with asdex in the same rounds.
+
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/sparse_paired.py [--rounds 41]
-[--only TEXT]``.
+[--only TEXT] [--compiler NAME ...]``.
 """
 
 from __future__ import annotations
@@ -55,19 +58,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--only", action="append", default=None, metavar="TEXT")
+    parser.add_argument("--compiler", action="append", default=None, metavar="NAME", help="AutoCompile's compiler (repeatable; default inductor)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    backend = torchdi.AutoCompile()
-    sparse = torchdi.AutoSparse(backend)
+    compilers = args.compiler or ["inductor"]
+    backend = torchdi.AutoCompile(compiler=compilers[0])
     print(f"load average at start: {os.getloadavg()}")
     for op, name, f, f_jax, x in scenarios(quick=True):
         if f_jax is None or (args.only and not any(part in name for part in args.only)):
             continue
         prepare = torchdi.prepare_jacobian if op == "jacobian" else torchdi.prepare_hessian
         call = torchdi.jacobian if op == "jacobian" else torchdi.hessian
-        prep = prepare(f, sparse, x)
+        contenders: dict[str, Callable[[], Any]] = {}
+        for compiler in compilers:
+            sparse = torchdi.AutoSparse(torchdi.AutoCompile(compiler=compiler))
+            prep = prepare(f, sparse, x)
+            contenders[compiler] = lambda sparse=sparse, prep=prep: call(f, sparse, x, prep=prep)  # noqa: B023
         asdex = Asdex(op, f_jax, x)
-        contenders: dict[str, Callable[[], Any]] = {"sparse": lambda: call(f, sparse, x, prep=prep), "asdex": asdex}  # noqa: B023
+        contenders["asdex"] = asdex
         if prep.sparsity_pattern.shape[0] * x.numel() <= MAX_DENSE and "Brusselator" in name:
             dense_prep = prepare(f, backend, x)
             contenders["dense"] = lambda: call(f, backend, x, prep=dense_prep)  # noqa: B023
@@ -83,18 +91,19 @@ def main() -> None:
                 wall, used = batch_both(contenders[key], calls[key])
                 times[key].append(wall)
                 cpu[key].append(used)
-        ratios = [s / a for s, a in zip(times["sparse"], times["asdex"])]
-        lo, med, hi = quartiles(ratios)
-        cpu_lo, cpu_med, cpu_hi = quartiles([s / a for s, a in zip(cpu["sparse"], cpu["asdex"])])
-        line = (
-            f"{op} {name}: colours {prep.ncolors}/{asdex.ncolors}; sparse {statistics.median(times['sparse']) * 1e6:.0f} us, "
-            f"asdex {statistics.median(times['asdex']) * 1e6:.0f} us; paired ratio median {med:.2f}x "
-            f"(quartiles {lo:.2f}-{hi:.2f}, range {min(ratios):.2f}-{max(ratios):.2f}, {args.rounds} rounds); "
-            f"process CPU time sparse {statistics.median(cpu['sparse']) * 1e6:.0f} us, asdex "
-            f"{statistics.median(cpu['asdex']) * 1e6:.0f} us, paired ratio median {cpu_med:.2f}x (quartiles {cpu_lo:.2f}-{cpu_hi:.2f})"
-        )
+        line = f"{op} {name}: colours {prep.ncolors}/{asdex.ncolors}; asdex {statistics.median(times['asdex']) * 1e6:.0f} us"
+        for compiler in compilers:
+            ratios = [s / a for s, a in zip(times[compiler], times["asdex"])]
+            lo, med, hi = quartiles(ratios)
+            cpu_lo, cpu_med, cpu_hi = quartiles([s / a for s, a in zip(cpu[compiler], cpu["asdex"])])
+            line += (
+                f"; sparse[{compiler}] {statistics.median(times[compiler]) * 1e6:.0f} us, paired ratio median {med:.2f}x "
+                f"(quartiles {lo:.2f}-{hi:.2f}, range {min(ratios):.2f}-{max(ratios):.2f}, {args.rounds} rounds), "
+                f"process CPU time {statistics.median(cpu[compiler]) * 1e6:.0f} us against asdex's "
+                f"{statistics.median(cpu['asdex']) * 1e6:.0f} us, paired ratio median {cpu_med:.2f}x (quartiles {cpu_lo:.2f}-{cpu_hi:.2f})"
+            )
         if "dense" in times:
-            speedups = [d / s for d, s in zip(times["dense"], times["sparse"])]
+            speedups = [d / s for d, s in zip(times["dense"], times[compilers[0]])]
             lo, med, hi = quartiles(speedups)
             line += f"; dense {statistics.median(times['dense']) * 1e3:.2f} ms, paired speed-up median {med:.0f}x (quartiles {lo:.0f}-{hi:.0f})"
         print(line, flush=True)

@@ -58,6 +58,7 @@ OTHER_HOOKS = {
 FENCES = {
     "_fence.py",
     "_distributed_private.py",
+    "engines/_aoti_private.py",
     "engines/_dynamo.py",
     "engines/_xla_private.py",
     "sparsity/_private.py",

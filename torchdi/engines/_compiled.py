@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.cache import ENV_DIR, Store, store_for
+from torchdi.engines._aoti_private import AOTInductorCompiler
 from torchdi.engines._dynamo import (
     RECOMPILE_LIMIT,
     DynamoCache,
@@ -75,9 +76,13 @@ from torchdi.translate import (
     to_device_tensor,
 )
 
-__all__ = ["CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
+__all__ = ["AOT_INDUCTOR", "CompiledRunner", "float_positions", "inductor_options", "traced_view", "translated"]
 
 logger = logging.getLogger("torchdi")
+
+# AutoCompile(compiler=AOT_INDUCTOR): the graphs dynamo traces become AOTInductor programs where
+# that is sound (engines/_aoti_private.py), inductor's otherwise.
+AOT_INDUCTOR = "aot_inductor"
 
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once", "info_once")
 
@@ -227,8 +232,11 @@ class _CountingCompiler:
     def __init__(self, owner: CompiledRunner, backend: AutoCompile, compiler: Any = None) -> None:
         self.owner = weakref.ref(owner)
         options = dict(backend.options) if backend.options else None
-        if backend.compiler == "inductor":
+        if backend.compiler in ("inductor", AOT_INDUCTOR):
             options = inductor_options(options)
+        if compiler is None and backend.compiler == AOT_INDUCTOR:
+            # AOTInductor for the graphs it can run soundly, inductor for the rest (_aoti_private).
+            compiler = AOTInductorCompiler(compiler_for("inductor", backend.mode, options, backend.dynamic), options, compiled_store(backend))
         self.compiler: Any = compiler if compiler is not None else compiler_for(backend.compiler, backend.mode, options, backend.dynamic)
         self.compiler_name = getattr(self.compiler, "compiler_name", backend.compiler)
 
@@ -390,6 +398,12 @@ class CompiledRunner:
         if store is None or self.persist_key is None:
             self._warm_up(x, tangents, contexts)
             return
+        aot_inductor = self._compiler.compiler
+        if isinstance(aot_inductor, AOTInductorCompiler):  # its programs persist one by one (_aoti_private)
+            self._warm_up(x, tangents, contexts)
+            programs = aot_inductor.loaded
+            self.loaded_from_cache = bool(programs) and all(programs) and len(programs) == len(aot_inductor.programs)
+            return
         loaded = False
         payload = store.get("compiled", self.persist_key)
         if payload is not None:
@@ -455,7 +469,7 @@ class CompiledRunner:
                 "breaks (preparation then logs how much was captured)."
             ) from error
         except compiler_failure_errors() as error:
-            if self.backend.compiler != "inductor":
+            if self.backend.compiler not in ("inductor", AOT_INDUCTOR):
                 raise
             # Inductor (or the AOTAutograd pass before it) fails inside torch on some graphs of
             # nested derivatives (a PINN's Laplacian, forward-over-reverse through views) that

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from torchdi.backends import AutoAutograd, AutoCompile, AutoSparse, AutoXLA, MixedMode
 from torchdi.cache import Store, store_for
 from torchdi.composition import base_type, outer_inner, refuse_compiled_double_backward
-from torchdi.engines._compiled import CompiledRunner, compiled_store, program_key
+from torchdi.engines._compiled import AOT_INDUCTOR, CompiledRunner, compiled_store, program_key
 from torchdi.engines.sparse_check import rows_missing_nonzeros
 from torchdi.errors import user_stacklevel
 from torchdi.families import FAMILIES, MATRIX_FAMILIES
@@ -707,9 +707,9 @@ def _name(f: Any) -> str:
 
 def _fused_backend(dense: AutoCompile) -> AutoCompile:
     """``dense`` with the inductor options of the sparse program under the user's own
-    (``sparsity._private.fused_inductor_options``); ``dense`` itself for another compiler or a
-    ``mode`` (which takes no options)."""
-    if dense.compiler != "inductor" or dense.mode is not None:
+    (``sparsity._private.fused_inductor_options``; inductor's and AOTInductor's); ``dense`` itself
+    for another compiler or a ``mode`` (which takes no options)."""
+    if dense.compiler not in ("inductor", AOT_INDUCTOR) or dense.mode is not None:
         return dense
     defaults = fused_inductor_options()
     if not defaults:

@@ -1,0 +1,193 @@
+"""``AutoCompile(compiler="aot_inductor")``: dynamo's graphs as AOTInductor programs (issue 26).
+
+Dynamo still traces and guards (rule 7): the changes that recompile raw ``torch.compile`` recompile
+here, and each new graph becomes an AOTInductor program again. What AOTInductor must not run (an
+input that requires grad under grad mode, in-place writes, random numbers) or cannot (the fence's
+internals missing) is compiled by inductor instead, and ``programs`` says which. AOTInductor
+compilations take seconds each: the tests share few of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchdi as td
+from torchdi.engines import _aoti_private
+
+pytestmark = pytest.mark.inductor
+
+BACKEND = td.AutoCompile(compiler="aot_inductor")
+SCALE = 2.0
+
+
+def programs(prep):
+    """What each graph compiled for ``prep``'s runner became ("aot_inductor", or the fallback's reason)."""
+    runner = prep.runner
+    runner = getattr(runner, "fused", None) or runner
+    return runner._compiler.compiler.programs
+
+
+def mlp(x, W, c):
+    return (SCALE * c * torch.tanh(W @ torch.tanh(W @ x))).sum()
+
+
+def reference(x, W, c):
+    return torch.func.grad_and_value(mlp)(x, W, c)[::-1]
+
+
+def test_values_and_gradients_stay_right_as_what_f_reads_changes(monkeypatch):
+    x, W = torch.randn(16), torch.randn(16, 16) / 4
+    prep = td.prepare_gradient(mlp, BACKEND, x, td.Constant(W), td.Constant(0.5))
+    # One graph, two programs: the gradient's value-free copy is compiled beside it (_compiled.py).
+    assert programs(prep) == ["aot_inductor"] * 2 and prep.num_compilations == 1
+    for got, want in zip(td.value_and_gradient(mlp, BACKEND, x, td.Constant(W), td.Constant(0.5), prep=prep), reference(x, W, 0.5)):
+        torch.testing.assert_close(got, want)
+
+    # New values of x, of a tensor context (written in place) and of a float context: no recompilation.
+    x2 = torch.randn(16)
+    W.mul_(1.5)
+    for got, want in zip(td.value_and_gradient(mlp, BACKEND, x2, td.Constant(W), td.Constant(0.25), prep=prep), reference(x2, W, 0.25)):
+        torch.testing.assert_close(got, want)
+    assert prep.num_compilations == 1
+
+    # A global f reads: dynamo's guard fails, the new graph is an AOTInductor program too, never stale.
+    monkeypatch.setattr(__import__(__name__), "SCALE", 3.0)
+    for got, want in zip(td.value_and_gradient(mlp, BACKEND, x2, td.Constant(W), td.Constant(0.25), prep=prep), reference(x2, W, 0.25)):
+        torch.testing.assert_close(got, want)
+    assert programs(prep) == ["aot_inductor"] * 4 and prep.num_compilations == 2
+
+    # Another layout of x is copied to the compiled one, not run on the wrong strides.
+    wide = torch.randn(16, 2)[:, 0]
+    torch.testing.assert_close(td.value_and_gradient(mlp, BACKEND, wide, td.Constant(W), td.Constant(0.25), prep=prep)[1], reference(wide, W, 0.25)[1])
+    assert prep.num_compilations == 2
+
+
+def heat(u):
+    return torch.cat([-2 * u[0:1] + u[1:2], u[:-2] - 2 * u[1:-1] + u[2:], u[-2:-1] - 2 * u[-1:]])
+
+
+def test_sparse_jacobian_runs_one_aot_inductor_program():
+    backend = td.AutoSparse(BACKEND)
+    x = torch.rand(40)
+    prep = td.prepare_jacobian(heat, backend, x)
+    assert programs(prep) == ["aot_inductor"] and prep.ncolors == 3
+    x2 = torch.rand(40)
+    torch.testing.assert_close(td.jacobian(heat, backend, x2, prep=prep).to_dense(), torch.func.jacfwd(heat)(x2))
+    assert prep.num_compilations == 1
+
+
+def updates_state(x, stats):
+    stats.mul_(0.5).add_(x.detach())
+    return (x * stats).sum()
+
+
+def drops_out(x):
+    return torch.nn.functional.dropout(x, 0.5).sum() + (x**2).sum()
+
+
+def test_in_place_writes_and_random_numbers_are_left_to_inductor(caplog):
+    x = torch.linspace(-1.0, 1.0, 4)
+    stats, eager_stats = torch.ones(4), torch.ones(4)
+    with caplog.at_level(logging.INFO, logger="torchdi"):
+        prep = td.prepare_gradient(updates_state, BACKEND, x, td.State(stats))
+    assert len(programs(prep)) >= 1 and all("writes in place" in p for p in programs(prep))
+    assert "leaves a graph to inductor" in caplog.text
+    stats.copy_(torch.ones(4))
+    got = td.gradient(updates_state, BACKEND, x, td.State(stats), prep=prep)
+    want = torch.func.grad(updates_state)(x, eager_stats)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(stats, eager_stats)  # the State update happened, as in eager code
+
+    prep = td.prepare_gradient(drops_out, BACKEND, x)
+    assert all("random numbers" in p for p in programs(prep))
+    torch.manual_seed(0)
+    got = td.gradient(drops_out, BACKEND, x, prep=prep)
+    dropped = (got - 2 * x) / 2  # 2x plus 0 or 2 per element (dropout's scale), at random
+    assert torch.isclose(dropped, torch.zeros(4)).logical_or(torch.isclose(dropped, torch.ones(4))).all()
+
+
+def test_without_the_internals_inductor_compiles_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(_aoti_private, "_AOTI_API", None)
+    monkeypatch.setattr(_aoti_private.fence, "warned", set())
+    x = torch.linspace(-1.0, 1.0, 3)
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        prep = td.prepare_gradient(heat_sum, BACKEND, x)
+        prep2 = td.prepare_gradient(heat_sum, BACKEND, 2 * x)
+    assert caplog.text.count("lacks the internal") == 1 and "aot_inductor" in caplog.text  # one warning, naming it
+    assert programs(prep) == programs(prep2) == ["this torch lacks AOTInductor's internals"] * len(programs(prep))
+    torch.testing.assert_close(td.gradient(heat_sum, BACKEND, x, prep=prep), torch.func.grad(heat_sum)(x))
+
+
+def heat_sum(x):
+    return (heat(x) ** 2).sum()
+
+
+def test_unsuitable_graphs_name_why():
+    x = torch.ones(3)
+    graph = torch.fx.symbolic_trace(lambda t: (t * 2,))
+    assert _aoti_private._unsuitable_graph(graph, [x]) is None
+    assert "requires grad" in _aoti_private._unsuitable_graph(graph, [x.requires_grad_()])
+    assert "not a tensor" in _aoti_private._unsuitable_graph(graph, [3])
+    assert "plain strided CPU tensor" in _aoti_private._unsuitable_graph(graph, [torch.ones(3).to_sparse()])
+
+    class Holds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, t):
+            return (t * self.w,)
+
+    assert "tensor of its own" in _aoti_private._unsuitable_graph(torch.fx.symbolic_trace(Holds()), [torch.ones(3)])
+    with torch.no_grad():
+        assert _aoti_private._unsuitable_graph(graph, [torch.ones(3, requires_grad=True)]) is None
+
+
+PERSISTED = '''
+import json, sys
+import torch
+import torchdi as td
+
+SHIFT = 1
+
+def f(x):
+    return torch.sin(x) * x.roll(SHIFT) + SHIFT
+
+backend = td.AutoCompile(compiler="aot_inductor", cache_dir=sys.argv[1])
+x = torch.linspace(-1.0, 1.0, 6)
+report = []
+for shift in (1, 1, 2):
+    SHIFT = shift
+    prep = td.prepare_jacobian(f, backend, x)
+    got = td.jacobian(f, backend, x, prep=prep)
+    report.append([prep.loaded_from_cache, torch.equal(got, torch.func.jacrev(f)(x)) or torch.allclose(got, torch.func.jacrev(f)(x))])
+print(json.dumps(report))
+'''
+
+
+def test_a_second_process_loads_the_programs_and_a_changed_global_compiles(tmp_path):
+    script = tmp_path / "persisted.py"
+    script.write_text(PERSISTED)
+    cache = tmp_path / "cache"
+
+    def run():
+        done = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    # First process: compiled and stored, then loaded by the second preparation (a new dynamo
+    # trace of the same graph), then a changed global: another graph, compiled. Always right.
+    assert run() == [[False, True], [True, True], [False, True]]
+    # Second process: both programs load; the results are right.
+    assert run() == [[True, True], [True, True], [True, True]]
+    # A corrupt entry is ignored and compiled again, never an error.
+    for entry in cache.rglob("*"):
+        if entry.is_file():
+            entry.write_bytes(entry.read_bytes()[:100])
+    assert run() == [[False, True], [True, True], [False, True]]

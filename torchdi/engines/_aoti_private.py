@@ -1,0 +1,283 @@
+"""The fence of AOTInductor: a dynamo graph compiled into a standalone C++ program.
+
+``AutoCompile(compiler="aot_inductor")`` hands each graph dynamo traces to ``AOTInductorCompiler``.
+Dynamo still traces ``f`` and installs its guards, and torchdi still evaluates them on every call
+(rule 7 holds as with ``compiler="inductor"``): only what runs once the guards pass changes.
+Inductor's program is Python (AOTAutograd's runtime wrappers around inductor's generated ``call``,
+which allocates and launches the kernels); AOTInductor's is C++ (``AOTIModelContainerRunnerCpu``),
+called with the list of input tensors. Measured on the heat equation's compressed jacobian
+(N=200, 3 colours, one thread, thread CPU time per call): 4.3 us against 13 us for inductor's
+standalone program of the same graph; the whole prepared ``AutoSparse`` call is in the README.
+
+The private internals, probed once on first use (torch 2.9 .. 2.14.1):
+``torch._inductor.aot_compile`` (an FX graph to a shared library), ``torch._C._aoti.
+AOTIModelContainerRunnerCpu`` (loads and runs it) and ``torch.fx.experimental.proxy_tensor.
+make_fx`` (dynamo's graph to aten operators, as AOTInductor takes them). Fallback, where one is
+missing or fails on a graph: that graph is compiled by inductor as ``compiler="inductor"``
+compiles it (same results, the slower call).
+
+A graph is also left to inductor, for a reason named in one ``torchdi`` log line (INFO), when an
+AOTInductor program of it could be wrong or cannot be made:
+
+- an input requires grad while grad mode is on: the C++ program computes no autograd graph, so an
+  outer derivative through it would be silently dropped (dynamo guards the grad mode and each
+  input's ``requires_grad``: a call that changes either recompiles, and chooses again);
+- an input is not a plain strided CPU tensor of static shape (a symbolic size with
+  ``dynamic=True``, a subclass, a sparse or quantized tensor, another device);
+- the graph holds tensors of its own (``get_attr``): AOTInductor copies them into the program, so a
+  later in-place write to them would go unseen (dynamo makes the tensors ``f`` reads inputs of the
+  graph, so this is rare);
+- its aten graph writes in place into an input (a ``State`` context's update, a buffer's running
+  statistics) or draws random numbers (inductor's Python wrapper draws the seeds per call);
+- an output is not a tensor.
+
+Persisted (``AutoCompile(compiler="aot_inductor", cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): each
+program's shared library is stored in torchdi's cache (``torchdi.cache``), keyed by what makes it:
+dynamo's graph (its code and its subgraphs' code), its inputs' layouts, the global state dynamo's
+graph does not spell out (default dtype, autocast, deterministic algorithms), inductor's options
+and torch's version (the store adds torchdi's). Dynamo still traces ``f`` in every process and
+installs its guards, so a changed global, closure cell or helper function changes the graph or
+fails a guard, and finds another entry or compiles: a loaded program is never stale. A hit skips
+``make_fx`` and AOTInductor's compilation (seconds) for loading the library (about a millisecond).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchdi._fence import Fence
+from torchdi._fence import probe as _probe
+from torchdi.cache import Store
+
+__all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence"]
+
+logger = logging.getLogger("torchdi")
+
+FAST_PATHS = {
+    "aot_inductor": "torch._inductor.aot_compile, torch._C._aoti.AOTIModelContainerRunnerCpu and make_fx, which "
+    "compile a graph into a C++ program called without Python wrappers (AutoCompile(compiler=\"aot_inductor\"))",
+}
+fence = Fence(FAST_PATHS, {"aot_inductor": "inductor's Python program of the same graph (same results, slower calls)"})
+
+_UNPROBED: Any = object()
+
+# The kind of torchdi.cache entry holding an AOTInductor program's shared library.
+_KIND = "aot_inductor"
+
+
+_Api = tuple[Callable[..., Any], Callable[..., Any], type, Callable[[Any], Any]]
+
+
+def _aoti_api() -> _Api:
+    import torch._guards
+    import torch._inductor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx, torch._inductor.aot_compile, torch._C._aoti.AOTIModelContainerRunnerCpu, torch._guards.tracing
+
+
+# torch 2.9 .. 2.14.1 (probed on first use: it imports inductor). torch._guards.tracing(None)
+# steps out of dynamo's tracing context for make_fx and AOTInductor, which would otherwise take
+# dynamo's fake-tensor mode (and its shape environment) as their own: make_fx then made dropout's
+# sizes symbolic, and inductor's compilation of the same graph failed after it.
+_AOTI_API: _Api | None = _UNPROBED
+
+
+def _api() -> _Api | None:
+    global _AOTI_API
+    if _AOTI_API is _UNPROBED:
+        _AOTI_API = _probe(_aoti_api)
+    return _AOTI_API
+
+
+def _plain_cpu_tensor(value: Any) -> bool:
+    return (
+        type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.layout == torch.strided
+        and value.device.type == "cpu"
+        and not value.is_quantized
+        and all(isinstance(size, int) for size in value.shape)
+    )
+
+
+def _unsuitable_graph(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
+    """Why dynamo's ``graph`` must not become an AOTInductor program (``None``: it may)."""
+    for value in example_inputs:
+        if not isinstance(value, torch.Tensor):
+            return f"an input is a {type(value).__name__}, not a tensor (a symbolic size?)"
+        if not _plain_cpu_tensor(value):
+            return f"an input is not a plain strided CPU tensor of static shape ({type(value).__name__} on {value.device})"
+        if value.requires_grad and torch.is_grad_enabled():
+            return "an input requires grad under grad mode (the C++ program records no autograd graph)"
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor):
+            return f"the graph holds a tensor of its own ({node.target}), which AOTInductor would copy"
+    output = next(node for node in graph.graph.nodes if node.op == "output")
+    if not all(isinstance(item, torch.fx.Node) for item in torch.utils._pytree.tree_leaves(output.args[0])):
+        return "an output of the graph is not a tensor"
+    return None
+
+
+def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
+    """Why the aten graph ``graph`` must not become an AOTInductor program (``None``: it may).
+
+    In-place writes into the graph's own intermediates are fine (jacrev fills its basis in place);
+    a write into an input, or into a view of one, is refused."""
+    inputs = {node for node in graph.graph.nodes if node.op == "placeholder"}  # and the views of them
+    for node in graph.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return f"it draws random numbers ({target})"
+        schema = target._schema
+        for argument, value in zip(schema.arguments, node.args):
+            alias = argument.alias_info
+            if alias is None or not isinstance(value, torch.fx.Node) or value not in inputs:
+                continue
+            if alias.is_write:
+                return f"it writes in place into an input ({target})"
+            inputs.add(node)  # a view of an input
+    return None
+
+
+# The namespaces of operators whose code is torch's (or torchdi's, whose sources key every entry).
+_OWN_NAMESPACES = frozenset({"aten", "prims", "torchdi"})
+
+
+def _persistable(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph``'s code names everything its program does: it calls only torch's (and
+    torchdi's) functions and operators. A user's custom operator or function called by name could
+    change between processes under the same code, so such a graph is compiled, not persisted."""
+    for module in graph.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            return False
+        for node in module.graph.nodes:
+            if node.op == "call_module" and not isinstance(module.get_submodule(str(node.target)), torch.fx.GraphModule):
+                return False
+            if node.op != "call_function":
+                continue
+            target = node.target
+            if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                if target.namespace not in _OWN_NAMESPACES:
+                    return False
+            elif str(getattr(target, "__module__", None) or "").split(".")[0] not in ("torch", "_operator", "math", "builtins"):
+                return False
+    return True
+
+
+def program_key(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any]) -> str:
+    """The key of the AOTInductor program of dynamo's ``graph`` for these inputs: everything the
+    program depends on (see the module docstring)."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name, module in sorted(graph.named_modules(), key=lambda item: item[0]):
+        if isinstance(module, torch.fx.GraphModule):
+            digest.update(f"{name}\n{module.code}".encode())
+    for value in example_inputs:
+        digest.update(repr((tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, str(value.device))).encode())
+    autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")]
+    state = (torch.get_default_dtype(), autocast, torch.are_deterministic_algorithms_enabled(), sorted(options.items(), key=repr))
+    digest.update(repr(state).encode())
+    return digest.hexdigest()
+
+
+class AOTInductorCompiler:
+    """A dynamo backend compiling each graph into an AOTInductor program, run from C++.
+
+    Args:
+        fallback: the dynamo backend that compiles a graph AOTInductor must not or cannot (inductor's).
+        options: inductor's config patches (``AutoCompile(options=...)``), applied to both.
+        store: where programs persist (``None``: nowhere).
+
+    Attributes:
+        programs: per graph compiled, ``"aot_inductor"`` or why it went to the fallback (in order).
+        loaded: per AOTInductor program, whether it was loaded from ``store`` (in order).
+    """
+
+    compiler_name = "aot_inductor"
+
+    def __init__(self, fallback: Any, options: dict[str, Any] | None, store: Store | None = None) -> None:
+        self.fallback = fallback
+        self.options = dict(options or {})
+        self.store = store
+        self.programs: list[str] = []
+        self.loaded: list[bool] = []
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        api = _api()
+        if api is None:
+            fence.warn_off("aot_inductor")
+            return self._fall_back("this torch lacks AOTInductor's internals", graph, example_inputs)
+        reason = _unsuitable_graph(graph, example_inputs)
+        if reason is not None:
+            return self._fall_back(reason, graph, example_inputs)
+        make_fx, aot_compile, runner_type, tracing = api
+        key = program_key(graph, example_inputs, self.options) if self.store is not None and _persistable(graph) else None
+        runner = self._load(key, runner_type)
+        self.loaded.append(runner is not None)
+        if runner is None:
+            try:
+                with tracing(None):
+                    aten = make_fx(graph, tracing_mode="fake")(*example_inputs)
+            except Exception as error:  # a graph make_fx cannot retrace: inductor compiles it as always
+                self.loaded.pop()
+                return self._fall_back(f"make_fx failed on it ({type(error).__name__}: {error})", graph, example_inputs)
+            reason = _unsuitable_aten_graph(aten)
+            if reason is not None:
+                self.loaded.pop()
+                return self._fall_back(reason, graph, example_inputs)
+            try:
+                with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None):
+                    files = aot_compile(
+                        aten,
+                        tuple(example_inputs),
+                        options={**self.options, "aot_inductor.package": True, "aot_inductor.output_path": directory},
+                    )
+                    library = next(str(name) for name in files if str(name).endswith(".so"))
+                    # Loaded before the directory goes: the loader maps the library, which outlives its file.
+                    runner = runner_type(library, 1)
+                    if key is not None and self.store is not None:
+                        with open(library, "rb") as file:
+                            self.store.put(_KIND, key, file.read())
+            except Exception as error:  # AOTInductor's own failure on this graph
+                self.loaded.pop()
+                return self._fall_back(f"AOTInductor failed on it ({type(error).__name__}: {error})", graph, example_inputs)
+        self.programs.append("aot_inductor")
+        run = runner.run
+
+        def aot_inductor_program(*args: torch.Tensor) -> list[torch.Tensor]:
+            return run(list(args))
+
+        aot_inductor_program.runner = runner  # type: ignore[attr-defined]
+        return aot_inductor_program
+
+    def _load(self, key: str | None, runner_type: type) -> Any:
+        """The persisted program of ``key`` loaded, or ``None`` (none stored, or one that does not load)."""
+        payload = self.store.get(_KIND, key) if self.store is not None and key is not None else None
+        if payload is None:
+            return None
+        try:
+            with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory:
+                library = os.path.join(directory, "program.so")
+                with open(library, "wb") as file:
+                    file.write(payload)
+                return runner_type(library, 1)
+        except Exception as error:  # a library this process cannot load: compiled again
+            logger.debug("torchdi cache: the persisted AOTInductor program %s did not load (%s)", str(key)[:16], error)
+            return None
+
+    def _fall_back(self, reason: str, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.programs.append(reason)
+        logger.info("torchdi: AutoCompile(compiler=\"aot_inductor\") leaves a graph to inductor: %s", reason)
+        return self.fallback(graph, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ...: the fallback's
+        return getattr(self.fallback, name)
+
