@@ -20,9 +20,8 @@ Contenders:
 - ``raw``: ``torch.compile(torch.func.grad_and_value(f))`` (Brusselator: ``torch.compile(jacfwd(f))``,
   dense).
 - ``jax``: ``jax.jit(jax.value_and_grad(f))`` when JAX is importable (it is skipped otherwise).
-- ``aoti-study`` (not run by default; MLP only): the route studied for issue 28, raw's
-  ``torch.compile(grad_and_value(f))`` with a backend that persists and loads an AOTInductor
-  ``.so`` per traced graph (``aoti_study_backend``).
+- ``torchdi-aoti``: ``AutoCompile(compiler="aot_inductor", cache_dir=<its dir>)`` (its
+  AOTInductor programs persisted by torchdi; ``AutoSparse`` of it on the Brusselator).
 
 ``--phases``: where a torch contender's time goes. Its processes import dynamo and inductor
 explicitly before preparing (so "prepare + first call" then leaves those imports out: they are
@@ -45,19 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 START = time.perf_counter()
 
 PROBLEMS = ("mlp", "rosenbrock", "brusselator")
-CONTENDERS = ("torchdi-persist", "torchdi", "torchdi-sparse-eager", "raw", "jax", "aoti-study")
+CONTENDERS = ("torchdi-aoti", "torchdi-persist", "torchdi", "torchdi-sparse-eager", "raw", "jax")
 
 
 def applies(contender: str, problem: str) -> bool:
-    if contender == "aoti-study":
-        return problem == "mlp"
     if contender == "torchdi-sparse-eager":
         return problem == "brusselator"
     if contender == "jax":
@@ -67,46 +62,6 @@ def applies(contender: str, problem: str) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # One measurement (the child process)
-
-
-def aoti_study_backend(store: str, loaded: list[bool]) -> Callable[..., Any]:
-    """The route studied for issue 28 (``--contenders aoti-study``; not torchdi, not a default
-    contender): dynamo traces ``f`` and installs its guards as usual, and this backend keys the
-    graph dynamo hands it (its code, its tensor attributes by value, its inputs' layouts, torch's
-    version). A hit loads a persisted AOTInductor ``.so`` through torch's C++ runner without
-    importing inductor's compile machinery; a miss compiles one (``make_fx``, then
-    ``torch._inductor.aot_compile``) and stores it. Private torch internals: a study, kept out of
-    the package (whose rule confines them to its fence modules)."""
-    import hashlib
-    import os
-    import shutil
-
-    import torch
-
-    def backend(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
-        digest = hashlib.sha256(gm.code.encode() + torch.__version__.encode())
-        for t in example_inputs:
-            digest.update(repr((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)).encode())
-        for name, t in sorted([*gm.named_parameters(), *gm.named_buffers()]) + [
-            (n, getattr(gm, n)) for n in dir(gm) if n.startswith("_tensor_constant")
-        ]:
-            digest.update(name.encode() + t.detach().contiguous().numpy().tobytes())
-        path = os.path.join(store, digest.hexdigest()[:32] + ".so")
-        loaded.append(os.path.exists(path))
-        if not loaded[-1]:
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            files = torch._inductor.aot_compile(
-                make_fx(gm, tracing_mode="fake")(*example_inputs), tuple(example_inputs),
-                options={"aot_inductor.package": True},
-            )
-            os.makedirs(store, exist_ok=True)
-            shutil.copy(next(f for f in files if f.endswith(".so")), path + ".tmp")
-            os.replace(path + ".tmp", path)
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1)
-        return lambda *args: tuple(runner.run(list(args)))
-
-    return backend
 
 
 # dynamo's timers reported by --phases (torch._dynamo.utils.compilation_time_metrics), by column.
@@ -159,18 +114,16 @@ def child(contender: str, problem: str, cache_dir: str, phases: bool = False) ->
         x = 1 + 0.1 * torch.rand(32, 32, 2)
     begin = time.perf_counter()
     loaded = None
-    if contender == "aoti-study":
-        hits: list[bool] = []
-        study = aoti_study_backend(str(Path(cache_dir).parent / "aoti"), hits)
-        result = torch.compile(torch.func.grad_and_value(f), backend=study)(x)[0]
-        loaded = all(hits)
-    elif contender == "raw":
+    if contender == "raw":
         if problem == "brusselator":
             result = torch.compile(torch.func.jacfwd(f))(x)
         else:
             result = torch.compile(torch.func.grad_and_value(f))(x)[0]
     else:
-        compiled = torchdi.AutoCompile(cache_dir=cache_dir if contender == "torchdi-persist" else "")
+        if contender == "torchdi-aoti":
+            compiled = torchdi.AutoCompile(compiler="aot_inductor", cache_dir=cache_dir)
+        else:
+            compiled = torchdi.AutoCompile(cache_dir=cache_dir if contender == "torchdi-persist" else "")
         if problem == "brusselator":
             backend = torchdi.AutoSparse(torchdi.AutoFunc() if contender == "torchdi-sparse-eager" else compiled)
             prep = torchdi.prepare_jacobian(f, backend, x)
@@ -226,7 +179,7 @@ def measure(contender: str, problem: str, directory: Path, phases: bool = False)
         "OMP_NUM_THREADS": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
         # torchdi's cache: the persisting contenders' own directory; off for the others.
-        "TORCHDI_CACHE_DIR": str(directory / "torchdi") if contender in ("torchdi-persist", "torchdi-sparse-eager") else "",
+        "TORCHDI_CACHE_DIR": str(directory / "torchdi") if contender in ("torchdi-aoti", "torchdi-persist", "torchdi-sparse-eager") else "",
         "JAX_COMPILATION_CACHE_DIR": str(directory / "jax"),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
     }
@@ -270,7 +223,7 @@ def phase_table(rows: list[tuple[str, str, dict, dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", default=",".join(PROBLEMS))
-    parser.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "aoti-study"))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--markdown", metavar="FILE")
     parser.add_argument("--phases", action="store_true", help="also time the imports and dynamo's phases (seconds)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)

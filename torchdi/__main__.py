@@ -48,7 +48,12 @@ COMBINATIONS: dict[str, Callable[[], Any]] = {
     "so-func-compile": lambda: torchdi.SecondOrder(torchdi.AutoFunc(), torchdi.AutoCompile(compiler="aot_eager")),
     "so-finitediff-compile": lambda: torchdi.SecondOrder(torchdi.AutoFiniteDiff(), torchdi.AutoCompile(compiler="aot_eager")),
 }
-COMPILED |= set(COMBINATIONS)
+#: Backends ``bench`` and ``check`` run when named (never by default: each AOTInductor program
+#: takes seconds to compile).
+OPT_IN: dict[str, Callable[[], Any]] = {
+    "compile-aoti": lambda: torchdi.AutoCompile(compiler="aot_inductor"),
+}
+COMPILED |= set(COMBINATIONS) | set(OPT_IN)
 FINITE |= {"so-finitediff-compile"}
 
 
@@ -174,7 +179,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return int(result or 0)
     if args.plot and not has_matplotlib():
         raise UsageError("--plot needs matplotlib: pip install 'torchdi[bench]' (or pip install matplotlib)")
-    backends, notes = select_backends(args.backends)
+    backends, notes = select_backends(args.backends, OPT_IN)
     operators = select_operators(args.operators)
     if args.threads is not None:
         import torch
@@ -236,7 +241,7 @@ def check_tolerances(label: str) -> dict[str, tuple[float | None, float | None]]
 def run_check(args: argparse.Namespace) -> int:
     import torch
 
-    backends, notes = select_backends(args.backends, COMBINATIONS)
+    backends, notes = select_backends(args.backends, {**COMBINATIONS, **OPT_IN})
     operators = select_operators(args.operators)
     for note in notes:
         _err(f"note: {note}")
@@ -352,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prep time, call time, ratio to autograd, compilations and correctness.",
     )
     bench.add_argument("--quick", action="store_true", help="5 short interleaved rounds instead of 15 (under 3 min on 2 cores)")
-    bench.add_argument("--backends", action="append", metavar="NAMES", help=f"comma-separated: {', '.join(BACKENDS)} (default: all available)")
+    bench.add_argument("--backends", action="append", metavar="NAMES", help=f"comma-separated: {', '.join(BACKENDS)} (default: all available), or {', '.join(OPT_IN)} (named only)")
     bench.add_argument("--operators", action="append", metavar="NAMES", help="keep only scenarios of these operators")
     bench.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart (needs matplotlib: the bench extra)")
@@ -373,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backends",
         action="append",
         metavar="NAMES",
-        help=f"comma-separated: {', '.join(BACKENDS)} (default: all available), or compositions {', '.join(COMBINATIONS)}",
+        help=f"comma-separated: {', '.join(BACKENDS)} (default: all available), or {', '.join(OPT_IN)}, "
+        f"or compositions {', '.join(COMBINATIONS)}",
     )
     check.add_argument("--operators", action="append", metavar="NAMES", help="check only these operators")
     check.add_argument("--full", action="store_true", help="all default scenarios for compiled backends too (slow: one compilation each)")

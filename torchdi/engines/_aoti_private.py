@@ -47,14 +47,17 @@ import hashlib
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchdi._fence import Fence
 from torchdi._fence import probe as _probe
-from torchdi.cache import Store
+
+if TYPE_CHECKING:  # a fence imports only torch and torchdi._fence; the store is handed in
+    from torchdi.cache import Store
 
 __all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence"]
 
@@ -234,7 +237,9 @@ class AOTInductorCompiler:
                 self.loaded.pop()
                 return self._fall_back(reason, graph, example_inputs)
             try:
-                with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None):
+                with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None), warnings.catch_warnings():
+                    # torch 2.13's own deprecation, raised while AOTInductor pickles its pytree specs.
+                    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
                     files = aot_compile(
                         aten,
                         tuple(example_inputs),
