@@ -15,8 +15,11 @@ For a forward-mode jacobian it also times, for scale, what needs no torchdi: ``t
 the compressed jacobian written by hand with the same colours (``vmap`` of ``jvp``, a gather, the
 CSR tensor), ``torch.compile(f)`` alone and ``f`` run eagerly.
 
+``--compiler aot_inductor`` breaks down ``AutoSparse(AutoCompile(compiler="aot_inductor"))``
+instead (and, with ``--whole``, ``--compiler`` given twice times both in the same rounds).
+
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/sparse_breakdown.py [--only heat]
-[--whole --only heat --only "Rosenbrock N=200" --rounds 31]``.
+[--compiler aot_inductor] [--whole --only heat --only "Rosenbrock N=200" --rounds 31]``.
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ def prepared_call(op: str, f: Callable[..., Any], x: torch.Tensor, backend: Any)
     return prep, lambda: operator(f, backend, x, prep=prep)
 
 
-def whole_calls(found: list[Any], rounds: int) -> None:
-    """The whole prepared call of each problem, interleaved: medians and quartiles of the rounds."""
-    backend = torchdi.AutoSparse(torchdi.AutoCompile())
+def whole_calls(found: list[Any], rounds: int, compilers: list[str]) -> None:
+    """The whole prepared call of each problem (and compiler), interleaved: medians and quartiles of the rounds."""
     calls = {}
-    for op, name, f, _, x in found:
-        _, call = prepared_call(op, f, x, backend)
-        per = per_call_us(call, 50, 3)
-        calls[name] = (call, max(1, int(5000 / per)))
+    for compiler in compilers:
+        backend = torchdi.AutoSparse(torchdi.AutoCompile(compiler=compiler))
+        for op, name, f, _, x in found:
+            _, call = prepared_call(op, f, x, backend)
+            per = per_call_us(call, 50, 3)
+            calls[name if len(compilers) == 1 else f"{name} [{compiler}]"] = (call, max(1, int(5000 / per)))
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (call, batch) in calls.items():
@@ -80,17 +84,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--whole", action="store_true")
     parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--compiler", action="append", default=None, metavar="NAME", help="AutoCompile's compiler (default inductor)")
     args = parser.parse_args()
+    compilers = args.compiler or ["inductor"]
     torch.set_num_threads(1)
     wanted = args.only or ["heat"]
     found = [case for case in scenarios(quick=True) if any(part in case[1] for part in wanted)]
     if not found:
         raise SystemExit(f"no problem named like {wanted!r}")
     if args.whole:
-        whole_calls(found, args.rounds)
+        whole_calls(found, args.rounds, compilers)
         return
     op, name, f, _, x = found[0]
-    backend = torchdi.AutoSparse(torchdi.AutoCompile())
+    backend = torchdi.AutoSparse(torchdi.AutoCompile(compiler=compilers[0]))
     prep, call = prepared_call(op, f, x, backend)
     runner = prep.runner
     fused = runner.fused
@@ -98,7 +104,7 @@ def main() -> None:
         raise SystemExit("this preparation has no one-program fast path to break down")
     seeds, cache = runner.fused_seeds, fused._cache
     frame_locals = {"x": x, "tangents": seeds, "contexts": ()}
-    print(f"{op} {name}; load average {os.getloadavg()}")
+    print(f"{op} {name}, AutoCompile(compiler={compilers[0]!r}); load average {os.getloadavg()}")
     print(f"  whole operator call: {per_call_us(call, args.calls, args.repeats):.1f} us")
     grad_mode = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # as the operator runs the program (the guards check the grad mode)
@@ -151,7 +157,7 @@ def hand_written(f: Callable[..., Any], x: torch.Tensor, prep: Any) -> Callable[
         y, values, crow_, col_ = program(x)
         return y, torch.sparse_csr_tensor(crow_, col_, values, tuple(pattern.shape))
 
-    expected = torchdi.jacobian(f, torchdi.AutoSparse(torchdi.AutoCompile()), x, prep=prep).to_dense()
+    expected = torchdi.jacobian(f, prep.backend, x, prep=prep).to_dense()
     torch.testing.assert_close(call()[1].to_dense(), expected)
     return call
 
