@@ -9,10 +9,12 @@ compilations take seconds each: the tests share few of them.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -72,14 +74,34 @@ def heat(u):
     return torch.cat([-2 * u[0:1] + u[1:2], u[:-2] - 2 * u[1:-1] + u[2:], u[-2:-1] - 2 * u[-1:]])
 
 
-def test_sparse_jacobian_runs_one_aot_inductor_program():
+def weighted_heat(weights):
+    def weighted(u):
+        return heat(u) * weights
+
+    return weighted
+
+
+def test_sparse_jacobian_runs_one_aot_inductor_program_and_frees_it():
     backend = td.AutoSparse(BACKEND)
     x = torch.rand(40)
-    prep = td.prepare_jacobian(heat, backend, x)
+    weights = torch.rand(40)
+    weighted = weighted_heat(weights)
+    prep = td.prepare_jacobian(weighted, backend, x)
     assert programs(prep) == ["aot_inductor"] and prep.ncolors == 3
     x2 = torch.rand(40)
-    torch.testing.assert_close(td.jacobian(heat, backend, x2, prep=prep).to_dense(), torch.func.jacfwd(heat)(x2))
+    torch.testing.assert_close(td.jacobian(weighted, backend, x2, prep=prep).to_dense(), torch.func.jacfwd(weighted)(x2))
     assert prep.num_compilations == 1
+    weights.mul_(2)  # read in place by the program (dynamo made it an input): the new values, no recompilation
+    torch.testing.assert_close(td.jacobian(weighted, backend, x2, prep=prep).to_dense(), torch.func.jacfwd(weighted)(x2))
+    assert prep.num_compilations == 1
+
+    # Rule 9: a dropped preparation frees its program and never keeps f or what f closes over alive.
+    made = prep.runner.fused._compiler.compiler.made
+    assert len(made) == 1 and made[0]() is not None
+    refs = [weakref.ref(weights), weakref.ref(weighted), *made]
+    del prep, weighted, weights
+    gc.collect()
+    assert all(ref() is None for ref in refs)
 
 
 def updates_state(x, stats):

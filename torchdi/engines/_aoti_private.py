@@ -48,6 +48,7 @@ import logging
 import os
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +203,8 @@ class AOTInductorCompiler:
     Attributes:
         programs: per graph compiled, ``"aot_inductor"`` or why it went to the fallback (in order).
         loaded: per AOTInductor program, whether it was loaded from ``store`` (in order).
+        made: weak references to the programs (dynamo's cache entries hold them; a dropped
+            preparation frees them, rule 9).
     """
 
     compiler_name = "aot_inductor"
@@ -212,6 +215,7 @@ class AOTInductorCompiler:
         self.store = store
         self.programs: list[str] = []
         self.loaded: list[bool] = []
+        self.made: list[weakref.ref[Callable[..., Any]]] = []
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         api = _api()
@@ -261,6 +265,7 @@ class AOTInductorCompiler:
             return run(list(args))
 
         aot_inductor_program.runner = runner  # type: ignore[attr-defined]
+        self.made.append(weakref.ref(aot_inductor_program))
         return aot_inductor_program
 
     def _load(self, key: str | None, runner_type: type) -> Any:
