@@ -213,3 +213,26 @@ def test_a_second_process_loads_the_programs_and_a_changed_global_compiles(tmp_p
         if entry.is_file():
             entry.write_bytes(entry.read_bytes()[:100])
     assert run() == [[False, True], [True, True], [False, True]]
+
+
+def user_helper(t):
+    return t * 2
+
+
+def test_only_graphs_of_torch_operations_persist():
+    """A graph calling a user's function or custom operator by name could mean other code in
+    another process: it is compiled, never loaded."""
+    assert _aoti_private._persistable(torch.fx.symbolic_trace(lambda t: (torch.sin(t) + 1,)))
+    graph = torch.fx.Graph()
+    graph.output((graph.call_function(user_helper, (graph.placeholder("t"),)),))
+    assert not _aoti_private._persistable(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+    class Holds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.ones(3))
+
+        def forward(self, t):
+            return (t + self.b,)
+
+    assert not _aoti_private._persistable(torch.fx.symbolic_trace(Holds()))

@@ -34,7 +34,7 @@ AOTInductor program of it could be wrong or cannot be made:
 Persisted (``AutoCompile(compiler="aot_inductor", cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): each
 program's shared library is stored in torchdi's cache (``torchdi.cache``), keyed by what makes it:
 dynamo's graph (its code and its subgraphs' code), its inputs' layouts, the global state dynamo's
-graph does not spell out (default dtype, autocast, deterministic algorithms), inductor's options
+graph does not spell out (default dtype, grad mode, autocast, deterministic algorithms), inductor's options
 and torch's version (the store adds torchdi's). Dynamo still traces ``f`` in every process and
 installs its guards, so a changed global, closure cell or helper function changes the graph or
 fails a guard, and finds another entry or compiles: a loaded program is never stale. A hit skips
@@ -156,6 +156,13 @@ def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
 _OWN_NAMESPACES = frozenset({"aten", "prims", "torchdi"})
 
 
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    value: Any = module
+    for name in path.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
 def _persistable(graph: torch.fx.GraphModule) -> bool:
     """Whether ``graph``'s code names everything its program does: it calls only torch's (and
     torchdi's) functions and operators. A user's custom operator or function called by name could
@@ -164,8 +171,8 @@ def _persistable(graph: torch.fx.GraphModule) -> bool:
         if not isinstance(module, torch.fx.GraphModule):
             return False
         for node in module.graph.nodes:
-            if node.op == "call_module" and not isinstance(module.get_submodule(str(node.target)), torch.fx.GraphModule):
-                return False
+            if node.op in ("call_module", "get_attr") and not isinstance(_attribute(module, str(node.target)), torch.fx.GraphModule):
+                return False  # a value the graph's code does not spell out
             if node.op != "call_function":
                 continue
             target = node.target
@@ -187,7 +194,9 @@ def program_key(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor],
     for value in example_inputs:
         digest.update(repr((tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, str(value.device))).encode())
     autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")]
-    state = (torch.get_default_dtype(), autocast, torch.are_deterministic_algorithms_enabled(), sorted(options.items(), key=repr))
+    state = (
+        torch.get_default_dtype(), torch.is_grad_enabled(), autocast, torch.are_deterministic_algorithms_enabled(), sorted(options.items(), key=repr)
+    )
     digest.update(repr(state).encode())
     return digest.hexdigest()
 
