@@ -236,3 +236,34 @@ def test_only_graphs_of_torch_operations_persist():
             return (t + self.b,)
 
     assert not _aoti_private._persistable(torch.fx.symbolic_trace(Holds()))
+
+
+def softmax_weighted(x):
+    return (torch.softmax(x, 0) * torch.arange(6.0)).sum()
+
+
+def test_zero_tangents_are_traced_as_zeros_with_memory(monkeypatch):
+    # Forward over reverse makes ZeroTensors (zeros without memory) for tangents known to be zero.
+    # AOTInductor must get plain zeros, never a ZeroTensor nor the meta-device internals of torch's
+    # ZeroTensor fallback: it read those as memory (out-of-bounds reads, a crashed process).
+    # Captured before AOTInductor compiles (seconds): dynamo's graph then runs as it is.
+    make_fx, _, runner_type, tracing = _aoti_private._api()
+    traced = []
+
+    def capture(aten, inputs, options):
+        traced.append(aten)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(_aoti_private, "_AOTI_API", (make_fx, capture, runner_type, tracing))
+    compiler = _aoti_private.AOTInductorCompiler(lambda graph, inputs: graph, None)
+    x = torch.linspace(-1.0, 1.0, 6)
+    got = torch.compile(torch.func.hessian(softmax_weighted), backend=compiler, fullgraph=True)(x)
+    torch.testing.assert_close(got, torch.func.hessian(softmax_weighted)(x))
+    assert len(traced) == 1 and "captured" in compiler.programs[0]
+    values = [node.meta.get("val") for node in traced[0].graph.nodes]
+    assert not any(isinstance(v, torch.Tensor) and (v.device.type == "meta" or v._is_zerotensor()) for v in values)
+    assert _aoti_private._unsuitable_aten_graph(traced[0]) is None
+
+    # A graph that still holds a ZeroTensor is left to inductor, naming why.
+    zero = make_fx(lambda t: t + torch.ops.aten._efficientzerotensor.default([3]), tracing_mode="fake")(torch.ones(3))
+    assert "ZeroTensor" in _aoti_private._unsuitable_aten_graph(zero)

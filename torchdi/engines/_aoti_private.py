@@ -101,6 +101,21 @@ def _api() -> _Api | None:
     return _AOTI_API
 
 
+def _zeros(
+    size: list[int], *, dtype: torch.dtype | None = None, layout: torch.layout | None = None, device: Any = None, pin_memory: bool | None = None
+) -> torch.Tensor:
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=bool(pin_memory))
+
+
+# make_fx retraces dynamo's graph at the level of eager kernels. Forward mode makes a ZeroTensor
+# (aten._efficientzerotensor: zeros without memory) for a tangent known to be zero; the ops that
+# read one go through torch's ZeroTensor fallback, and make_fx recorded its internals (copies to the
+# meta device, prims) besides the ZeroTensor itself, which AOTInductor then read as memory: the
+# program of a hessian through gather, topk and atan2 read out of bounds and crashed the process
+# (torch 2.13). Traced as plain zeros instead: real memory, the values inductor's program computes.
+_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {torch.ops.aten._efficientzerotensor.default: _zeros}
+
+
 def _plain_cpu_tensor(value: Any) -> bool:
     return (
         type(value) in (torch.Tensor, torch.nn.Parameter)
@@ -136,6 +151,9 @@ def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
     a write into an input, or into a view of one, is refused."""
     inputs = {node for node in graph.graph.nodes if node.op == "placeholder"}  # and the views of them
     for node in graph.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and (value.device.type == "meta" or value._is_zerotensor()):
+            return f"it computes on the meta device or with a ZeroTensor ({node.target}): a kernel's internals, not a program"
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
@@ -241,7 +259,7 @@ class AOTInductorCompiler:
         if runner is None:
             try:
                 with tracing(None):
-                    aten = make_fx(graph, tracing_mode="fake")(*example_inputs)
+                    aten = make_fx(graph, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake")(*example_inputs)
             except Exception as error:  # a graph make_fx cannot retrace: inductor compiles it as always
                 self.loaded.pop()
                 return self._fall_back(f"make_fx failed on it ({type(error).__name__}: {error})", graph, example_inputs)
