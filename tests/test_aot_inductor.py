@@ -267,3 +267,15 @@ def test_zero_tangents_are_traced_as_zeros_with_memory(monkeypatch):
     # A graph that still holds a ZeroTensor is left to inductor, naming why.
     zero = make_fx(lambda t: t + torch.ops.aten._efficientzerotensor.default([3]), tracing_mode="fake")(torch.ones(3))
     assert "ZeroTensor" in _aoti_private._unsuitable_aten_graph(zero)
+
+
+def test_a_program_is_keyed_by_the_processor_that_built_it(monkeypatch):
+    # AOTInductor builds machine code for this processor (-march=native): a cache directory shared
+    # with another machine must not hand it a program it lacks the instructions of (an illegal
+    # instruction kills the process, no try catches it).
+    graph = torch.fx.symbolic_trace(lambda t: (torch.sin(t),))
+    key = _aoti_private.program_key(graph, [torch.ones(3)], {})
+    assert key == _aoti_private.program_key(graph, [torch.ones(3)], {})
+    assert torch.backends.cpu.get_cpu_capability() in _aoti_private.processor()
+    monkeypatch.setattr(_aoti_private, "processor", lambda: "x86_64\nAVX2\nflags: fpu sse2 avx2")
+    assert _aoti_private.program_key(graph, [torch.ones(3)], {}) != key

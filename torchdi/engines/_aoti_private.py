@@ -34,8 +34,10 @@ AOTInductor program of it could be wrong or cannot be made:
 Persisted (``AutoCompile(compiler="aot_inductor", cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): each
 program's shared library is stored in torchdi's cache (``torchdi.cache``), keyed by what makes it:
 dynamo's graph (its code and its subgraphs' code), its inputs' layouts, the global state dynamo's
-graph does not spell out (default dtype, grad mode, autocast, deterministic algorithms), inductor's options
-and torch's version (the store adds torchdi's). Dynamo still traces ``f`` in every process and
+graph does not spell out (default dtype, grad mode, autocast, deterministic algorithms), inductor's options,
+torch's version (the store adds torchdi's) and the processor: the library is machine code built with
+``-march=native`` for this one, which another (a shared cache directory, an image built elsewhere) may
+lack the instructions of: it would die of an illegal instruction, which no ``try`` catches. Dynamo still traces ``f`` in every process and
 installs its guards, so a changed global, closure cell or helper function changes the graph or
 fails a guard, and finds another entry or compiles: a loaded program is never stale. A hit skips
 ``make_fx`` and AOTInductor's compilation (seconds) for loading the library (about a millisecond).
@@ -43,9 +45,11 @@ fails a guard, and finds another entry or compiles: a loaded program is never st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import platform
 import tempfile
 import warnings
 import weakref
@@ -202,10 +206,31 @@ def _persistable(graph: torch.fx.GraphModule) -> bool:
     return True
 
 
+@functools.cache
+def processor() -> str:
+    """What this machine's compiled programs are built for (``-march=native``, inductor's vector
+    instruction set): the architecture, torch's CPU capability and, where ``/proc/cpuinfo`` says,
+    the first processor's model and feature flags. A shared cache then serves a program only to a
+    processor like the one that built it (another model with the same flags misses: compiled again)."""
+    described = [platform.machine(), platform.processor(), torch.backends.cpu.get_cpu_capability()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+            for line in file:
+                if not line.strip():
+                    break  # the first processor's block
+                name = line.split(":", 1)[0].strip()
+                if name in ("vendor_id", "model name", "flags", "Features", "CPU implementer", "CPU part", "isa", "cpu"):
+                    described.append(line.strip())
+    except OSError:  # not Linux: the architecture and torch's capability above
+        pass
+    return "\n".join(described)
+
+
 def program_key(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any]) -> str:
     """The key of the AOTInductor program of dynamo's ``graph`` for these inputs: everything the
     program depends on (see the module docstring)."""
     digest = hashlib.sha256(torch.__version__.encode())
+    digest.update(processor().encode())
     for name, module in sorted(graph.named_modules(), key=lambda item: item[0]):
         if isinstance(module, torch.fx.GraphModule):
             digest.update(f"{name}\n{module.code}".encode())
