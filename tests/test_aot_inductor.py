@@ -279,3 +279,30 @@ def test_a_program_is_keyed_by_the_processor_that_built_it(monkeypatch):
     assert torch.backends.cpu.get_cpu_capability() in _aoti_private.processor()
     monkeypatch.setattr(_aoti_private, "processor", lambda: "x86_64\nAVX2\nflags: fpu sse2 avx2")
     assert _aoti_private.program_key(graph, [torch.ones(3)], {}) != key
+
+
+def halves_state(x, s):
+    first, second = s.split(3)  # pieces of the input: aten.split returns a list, no alias annotation
+    first.mul_(0.5)
+    return x * second
+
+
+def adds_into_state(x, s):
+    torch.add(s[:3], x, out=s[3:])  # the written tensor is an out= argument
+    return x * s[:3]
+
+
+def fills_a_copy(x, s):
+    t = s.clone()
+    t.split(3)[0].copy_(x)
+    return x * t[3:]
+
+
+def test_writes_into_pieces_of_an_input_are_left_to_inductor():
+    # The walk follows the fake storages make_fx records: a write into a piece split or unbind made
+    # of an input, or into an out= argument, is a write into the input (a State context's update).
+    make_fx = _aoti_private._api()[0]
+    x, s = torch.ones(3), torch.ones(6)
+    for f in (halves_state, adds_into_state):
+        assert "writes in place into an input" in _aoti_private._unsuitable_aten_graph(make_fx(f, tracing_mode="fake")(x, s))
+    assert _aoti_private._unsuitable_aten_graph(make_fx(fills_a_copy, tracing_mode="fake")(x, s)) is None

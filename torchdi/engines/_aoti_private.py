@@ -148,12 +148,21 @@ def _unsuitable_graph(graph: torch.fx.GraphModule, example_inputs: list[Any]) ->
     return None
 
 
+def _storage(node: Any) -> int | None:
+    """The (fake) storage of the tensor ``node`` computes in a traced graph (its address), or ``None``."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+
 def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
     """Why the aten graph ``graph`` must not become an AOTInductor program (``None``: it may).
 
     In-place writes into the graph's own intermediates are fine (jacrev fills its basis in place);
-    a write into an input, or into a view of one, is refused."""
+    a write into an input's memory (the input, a view of it, a piece ``split`` or ``unbind`` made,
+    an ``out=`` argument) is refused. Told by the fake storages make_fx records, which views and
+    pieces share with their base: the operators' alias annotations stop at a list of pieces."""
     inputs = {node for node in graph.graph.nodes if node.op == "placeholder"}  # and the views of them
+    storages = {storage for storage in map(_storage, inputs) if storage is not None}
     for node in graph.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and (value.device.type == "meta" or value._is_zerotensor()):
@@ -163,10 +172,13 @@ def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
             continue
         if torch.Tag.nondeterministic_seeded in target.tags:
             return f"it draws random numbers ({target})"
-        schema = target._schema
-        for argument, value in zip(schema.arguments, node.args):
+        for i, argument in enumerate(target._schema.arguments):
             alias = argument.alias_info
-            if alias is None or not isinstance(value, torch.fx.Node) or value not in inputs:
+            value = node.args[i] if i < len(node.args) and not argument.kwarg_only else node.kwargs.get(argument.name)
+            if alias is None or value is None:
+                continue
+            written = [item for item in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(item, torch.fx.Node)]
+            if not any(item in inputs or _storage(item) in storages for item in written):
                 continue
             if alias.is_write:
                 return f"it writes in place into an input ({target})"
