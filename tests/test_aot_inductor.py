@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import subprocess
 import sys
 import weakref
@@ -306,3 +307,25 @@ def test_writes_into_pieces_of_an_input_are_left_to_inductor():
     for f in (halves_state, adds_into_state):
         assert "writes in place into an input" in _aoti_private._unsuitable_aten_graph(make_fx(f, tracing_mode="fake")(x, s))
     assert _aoti_private._unsuitable_aten_graph(make_fx(fills_a_copy, tracing_mode="fake")(x, s)) is None
+
+
+def scaled_by_exp(x, c):
+    return (math.exp(c) * torch.sin(x)).sum()
+
+
+def test_a_graph_make_fx_cannot_retrace_is_compiled_by_inductor(monkeypatch):
+    # math.exp of a float context: make_fx fails midway through dynamo's graph of torch.func.grad,
+    # which had entered functorch's transform with a plain call. Left behind, that level broke
+    # inductor's compilation of the same graph ("Cannot access storage of TensorWrapper").
+    make_fx, _, runner_type, tracing = _aoti_private._api()
+
+    def refuse(aten, inputs, options):  # the graphs make_fx retraces go to inductor too (seconds saved)
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr(_aoti_private, "_AOTI_API", (make_fx, refuse, runner_type, tracing))
+    x = torch.linspace(-1.0, 1.0, 4)
+    prep = td.prepare_gradient(scaled_by_exp, BACKEND, x, td.Constant(0.5))
+    assert programs(prep)[0].startswith("make_fx failed on it")
+    assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0
+    for c in (0.5, 1.5):
+        torch.testing.assert_close(td.gradient(scaled_by_exp, BACKEND, x, td.Constant(c), prep=prep), math.exp(c) * torch.cos(x))

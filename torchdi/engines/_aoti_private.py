@@ -45,6 +45,7 @@ fails a guard, and finds another entry or compiles: a loaded program is never st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -53,7 +54,7 @@ import platform
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,6 +119,24 @@ def _zeros(
 # program of a hessian through gather, topk and atan2 read out of bounds and crashed the process
 # (torch 2.13). Traced as plain zeros instead: real memory, the values inductor's program computes.
 _DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {torch.ops.aten._efficientzerotensor.default: _zeros}
+
+
+@contextlib.contextmanager
+def _state_restored() -> Iterator[None]:
+    """Restores what retracing dynamo's graph changes when it fails midway, as dynamo does around
+    its own frames: the graph's code enters functorch's transforms, grad mode and dispatch keys with
+    plain calls, not ``with`` blocks. Left behind (``math.exp`` of a float context, which make_fx
+    cannot retrace, inside ``torch.func.grad``), they broke the fallback's compilation of the same
+    graph: "Cannot access storage of TensorWrapper", where ``compiler="inductor"`` compiles it."""
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    grad = torch.is_grad_enabled()
+    keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    with torch._C._ForceDispatchKeyGuard(*keys):
+        try:
+            yield
+        finally:
+            torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+            torch.set_grad_enabled(grad)
 
 
 def _plain_cpu_tensor(value: Any) -> bool:
@@ -295,7 +314,7 @@ class AOTInductorCompiler:
         self.loaded.append(runner is not None)
         if runner is None:
             try:
-                with tracing(None):
+                with tracing(None), _state_restored():
                     aten = make_fx(graph, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake")(*example_inputs)
             except Exception as error:  # a graph make_fx cannot retrace: inductor compiles it as always
                 self.loaded.pop()
