@@ -28,7 +28,12 @@ AOTInductor program of it could be wrong or cannot be made:
   later in-place write to them would go unseen (dynamo makes the tensors ``f`` reads inputs of the
   graph, so this is rare);
 - its aten graph writes in place into an input (a ``State`` context's update, a buffer's running
-  statistics) or draws random numbers (inductor's Python wrapper draws the seeds per call);
+  statistics; a piece ``split`` made of one and an ``out=`` argument count) or draws random numbers
+  (inductor's Python wrapper draws the seeds per call);
+- its aten graph computes on the meta device or with a ZeroTensor (a kernel's internals, which
+  make_fx records where a graph reaches torch's ZeroTensor fallback; forward mode's zero tangents are
+  traced as plain zeros, so none is expected);
+- make_fx cannot retrace it (``math.exp`` of a float context: a data-dependent value);
 - an output is not a tensor.
 
 Persisted (``AutoCompile(compiler="aot_inductor", cache_dir=...)`` or ``TORCHDI_CACHE_DIR``): each
