@@ -329,3 +329,19 @@ def test_a_graph_make_fx_cannot_retrace_is_compiled_by_inductor(monkeypatch):
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0
     for c in (0.5, 1.5):
         torch.testing.assert_close(td.gradient(scaled_by_exp, BACKEND, x, td.Constant(c), prep=prep), math.exp(c) * torch.cos(x))
+
+
+def test_programs_call_only_aten_and_prims_operators():
+    """Collectives (DataParallel's all-reduce) and a user's custom operators run as inductor runs
+    them: an AOTInductor program calls aten's and prims' operators only."""
+    def graph_calling(target, *extra):
+        graph = torch.fx.Graph()
+        t = graph.placeholder("t")
+        graph.output((graph.call_function(target, (graph.call_function(torch.ops.aten.sin.default, (t,)), *extra)),))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    assert _aoti_private._unsuitable_aten_graph(graph_calling(torch.ops.aten.cos.default)) is None
+    assert _aoti_private._unsuitable_aten_graph(graph_calling(torch.ops.prims.cos.default)) is None
+    reason = _aoti_private._unsuitable_aten_graph(graph_calling(torch.ops._c10d_functional.all_reduce.default, "sum", "0"))
+    assert "outside aten's and prims' operators" in reason
+    assert "not an aten operator" in _aoti_private._unsuitable_aten_graph(graph_calling(user_helper))

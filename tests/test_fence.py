@@ -128,7 +128,7 @@ def test_the_fence_check_sees_private_uses():
 
 def test_every_fast_path_has_a_fence_test():
     persisted = {"artifact_scope", "compile_cache_counts"}  # fenced in tests/test_persist.py
-    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config"} | persisted
+    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config", "real_zeros"} | persisted
     assert tested == set(_dynamo.FAST_PATHS)
 
 
@@ -624,3 +624,19 @@ def test_into_grad_without_the_view_base(without_tensor_internal, caplog):
     torch.testing.assert_close(param.grad, 2 * torch.ones(3))
     assert grad["p"] is param.grad and param.grad.is_contiguous()
     assert len(_warnings_naming(caplog, "view_base")) == 1
+
+
+def test_inductor_without_compile_fx_is_torch_compiles_own_with_one_warning(monkeypatch, caplog):
+    """The "real_zeros" fast path: inductor compiles forward mode's ZeroTensors as real zeros
+    (the crash it prevents: tests/test_compile_soundness.py). Without compile_fx's internals,
+    torch.compile's own inductor wrapper, with the same mode and options, and one warning."""
+    with_it = _dynamo.compiler_for("inductor", None, {"layout_optimization": False}, None)
+    assert type(with_it).__name__ == "_InductorWithRealZeros" and with_it.compiler_name == "inductor"
+    assert with_it.wrapper.config == {"layout_optimization": False}
+    monkeypatch.setattr(_dynamo, "_COMPILE_FX", None)
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        plain = _dynamo.compiler_for("inductor", None, {"layout_optimization": False}, None)
+        _dynamo.compiler_for("inductor", None, None, None)
+    assert isinstance(plain, torch._TorchCompileInductorWrapper) and plain.config == {"layout_optimization": False}
+    assert len(_warnings_naming(caplog, "real_zeros")) == 1

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TENSOR", "Fence", "maybe_view", "probe", "tensor_version"]
+__all__ = ["REAL_ZEROS", "TENSOR", "Fence", "maybe_view", "probe", "tensor_version"]
 
 logger = logging.getLogger("torchdi")
 
@@ -102,3 +102,19 @@ def maybe_view(tensor: torch.Tensor) -> bool:
         TENSOR.warn_off("view_base")
         return True
     return tensor._base is not None
+
+
+def _real_zeros(
+    size: list[int], *, dtype: torch.dtype | None = None, layout: torch.layout | None = None, device: Any = None, pin_memory: bool | None = None
+) -> torch.Tensor:
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=bool(pin_memory))
+
+
+# A decomposition both compiling fences hand to torch's compilers. Forward mode makes a ZeroTensor
+# (aten._efficientzerotensor: zeros without memory) for a tangent known to be zero. Inductor keeps
+# that operator as a fallback to the eager kernel, and its own kernels then read the ZeroTensor's
+# data as memory; make_fx records torch's ZeroTensor fallback (meta-device copies, prims) around
+# it, which AOTInductor reads the same way. On torch 2.13 a hessian through gather, topk and
+# atan2, compiled after a jacobian of the same function, read out of bounds and crashed the
+# process (segfault) on both. As plain zeros: real memory, the same values.
+REAL_ZEROS: dict[Any, Any] = {torch.ops.aten._efficientzerotensor.default: _real_zeros}

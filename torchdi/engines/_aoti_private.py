@@ -33,6 +33,8 @@ AOTInductor program of it could be wrong or cannot be made:
 - its aten graph computes on the meta device or with a ZeroTensor (a kernel's internals, which
   make_fx records where a graph reaches torch's ZeroTensor fallback; forward mode's zero tangents are
   traced as plain zeros, so none is expected);
+- its aten graph calls an operator outside aten's and prims' (``DataParallel``'s collectives, a
+  user's custom operator): those run as inductor runs them;
 - make_fx cannot retrace it (``math.exp`` of a float context: a data-dependent value);
 - an output is not a tensor.
 
@@ -54,6 +56,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import operator
 import os
 import platform
 import tempfile
@@ -64,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchdi._fence import Fence
+from torchdi._fence import REAL_ZEROS, Fence
 from torchdi._fence import probe as _probe
 
 if TYPE_CHECKING:  # a fence imports only torch and torchdi._fence; the store is handed in
@@ -109,21 +112,6 @@ def _api() -> _Api | None:
     if _AOTI_API is _UNPROBED:
         _AOTI_API = _probe(_aoti_api)
     return _AOTI_API
-
-
-def _zeros(
-    size: list[int], *, dtype: torch.dtype | None = None, layout: torch.layout | None = None, device: Any = None, pin_memory: bool | None = None
-) -> torch.Tensor:
-    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=bool(pin_memory))
-
-
-# make_fx retraces dynamo's graph at the level of eager kernels. Forward mode makes a ZeroTensor
-# (aten._efficientzerotensor: zeros without memory) for a tangent known to be zero; the ops that
-# read one go through torch's ZeroTensor fallback, and make_fx recorded its internals (copies to the
-# meta device, prims) besides the ZeroTensor itself, which AOTInductor then read as memory: the
-# program of a hessian through gather, topk and atan2 read out of bounds and crashed the process
-# (torch 2.13). Traced as plain zeros instead: real memory, the values inductor's program computes.
-_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {torch.ops.aten._efficientzerotensor.default: _zeros}
 
 
 @contextlib.contextmanager
@@ -178,6 +166,11 @@ def _storage(node: Any) -> int | None:
     return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
 
 
+# The operators an AOTInductor program may call: aten's and prims' (torchdi's own value marker is
+# gone by then: the counting compiler takes it out of the graph).
+_PROGRAM_NAMESPACES = frozenset({"aten", "prims"})
+
+
 def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
     """Why the aten graph ``graph`` must not become an AOTInductor program (``None``: it may).
 
@@ -192,8 +185,13 @@ def _unsuitable_aten_graph(graph: torch.fx.GraphModule) -> str | None:
         if isinstance(value, torch.Tensor) and (value.device.type == "meta" or value._is_zerotensor()):
             return f"it computes on the meta device or with a ZeroTensor ({node.target}): a kernel's internals, not a program"
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
+        if node.op != "call_function" or getattr(target, "__module__", None) == operator.mul.__module__:
+            continue  # (getitem, and the arithmetic of sizes)
+        if not isinstance(target, torch._ops.OpOverload):
+            return f"it calls {target}, not an aten operator"
+        if target.namespace not in _PROGRAM_NAMESPACES:
+            # Collectives (DataParallel's all-reduce), a user's custom operators: run as inductor runs them.
+            return f"it calls {target}, outside aten's and prims' operators"
         if torch.Tag.nondeterministic_seeded in target.tags:
             return f"it draws random numbers ({target})"
         for i, argument in enumerate(target._schema.arguments):
@@ -320,7 +318,7 @@ class AOTInductorCompiler:
         if runner is None:
             try:
                 with tracing(None), _state_restored():
-                    aten = make_fx(graph, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake")(*example_inputs)
+                    aten = make_fx(graph, decomposition_table=REAL_ZEROS, tracing_mode="fake")(*example_inputs)
             except Exception as error:  # a graph make_fx cannot retrace: inductor compiles it as always
                 self.loaded.pop()
                 return self._fall_back(f"make_fx failed on it ({type(error).__name__}: {error})", graph, example_inputs)

@@ -78,6 +78,15 @@ The fast paths, by name (``FAST_PATHS``):
 - ``"compile_cache_counts"``: ``torch._dynamo.utils.counters`` (AOTAutograd and FX graph cache
   hits and misses), which say whether a compilation reused persisted artifacts. Fallback:
   ``prep.loaded_from_cache`` says that artifacts were loaded, not whether they were used.
+- ``"real_zeros"``: ``torch._inductor.compile_fx.compile_fx`` and ``torch._inductor.decomposition.
+  select_decomp_table`` (torch 2.9 .. 2.14.1): inductor compiles a graph that uses forward mode
+  with its default decompositions plus ``_fence.REAL_ZEROS`` (ZeroTensors as real zeros), called as
+  ``torch.compile``'s inductor wrapper calls it, with that wrapper's mode and options. Inductor
+  otherwise keeps ``aten._efficientzerotensor`` as a fallback to the eager kernel and its own
+  kernels read the ZeroTensor's missing memory: a hessian through gather, topk and atan2,
+  compiled after a jacobian of the same function, crashed the process (torch 2.13). Fallback:
+  ``torch.compile``'s inductor wrapper as it is (that crash is then torch's, as with raw
+  ``torch.compile``), named in the warning.
 
 Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
 ``torch.autograd.functional.jacobian/hessian(vectorize=True)`` and
@@ -108,7 +117,7 @@ from typing import Any, cast
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from torchdi._fence import Fence
+from torchdi._fence import REAL_ZEROS, Fence
 from torchdi._fence import probe as _probe
 
 __all__ = [
@@ -292,6 +301,20 @@ _GRAPH_BREAK_ERRORS: tuple[type[BaseException], ...] | None = _UNPROBED
 # The probes that import torch._dynamo (about a second, most of `import torchdi` otherwise) run
 # on first use, once: a program that never compiles never imports dynamo. (They import torch's
 # modules, not torchdi's: nothing here dodges an import cycle.)
+def _compile_fx() -> tuple[Callable[..., Any], Callable[[], dict[Any, Any]], bool]:
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    parameters = inspect.signature(compile_fx).parameters
+    if "decompositions" not in parameters or "config_patches" not in parameters:
+        raise TypeError("compile_fx takes no decompositions")
+    return compile_fx, select_decomp_table, "compile_region_name" in parameters
+
+
+# torch 2.9 .. 2.14.1: inductor's compile_fx (what torch.compile's inductor wrapper calls, with
+# the same config patches) and its default decompositions, to add REAL_ZEROS to them.
+_COMPILE_FX: tuple[Callable[..., Any], Callable[[], dict[Any, Any]], bool] | None = _UNPROBED
+
 _LAZY_PROBES: dict[str, Callable[[], Any]] = {
     "_RELEASE": _reset_code_and_backends,
     "_LOOKUP_BACKEND": _lookup_backend,
@@ -299,6 +322,7 @@ _LAZY_PROBES: dict[str, Callable[[], Any]] = {
     "_DYNAMO_ERRORS": _dynamo_errors,
     "_CONFIG": _dynamo_config,
     "_GRAPH_BREAK_ERRORS": _graph_break_errors,
+    "_COMPILE_FX": _compile_fx,
 }
 
 
@@ -410,10 +434,15 @@ FAST_PATHS: dict[str, str] = {
     "dispatch_keys": "reading a tensor's dispatch keys (torch's legacy vmap batching)",
     "dynamo_errors": "recognising dynamo's compiler failures and refusals (torch._dynamo.exc)",
     "value_free_graph": "a value-free copy of a traced gradient graph (the plain gradient skips f's final reduction)",
+    "real_zeros": "inductor's compile_fx and default decompositions, to compile forward mode's ZeroTensors as real zeros",
 }
 
 # What a fallback costs when it is more than time (the others are slower, never different).
 _COSTS: dict[str, str] = {
+    "real_zeros": (
+        "torch.compile's own inductor backend, whose kernels may read a forward-mode ZeroTensor's missing memory "
+        "(a process crash seen on torch 2.13 with a hessian through gather, topk and atan2); compiler=\"aot_eager\" avoids it"
+    ),
     "jvp_nesting": (
         "with which DifferentiateWith(f, backend) under an eager fwAD.dual_level works for backends that open no "
         "jvp of their own (AutoFiniteDiff); torch refuses the others ('Nested forward mode AD is not supported'), "
@@ -484,8 +513,51 @@ def compiler_for(compiler: str, mode: str | None, options: dict[str, Any] | None
         return lookup(compiler)
     inductor, generic = wrappers
     if compiler == "inductor":
-        return inductor(mode, options, dynamic)
+        wrapper = inductor(mode, options, dynamic)
+        compile_fx = _lazy("_COMPILE_FX")
+        if compile_fx is None or not isinstance(getattr(wrapper, "config", None), dict):
+            warn_off("real_zeros")
+            return wrapper
+        return _InductorWithRealZeros(wrapper, compile_fx)
     return generic(compiler, mode, options, dynamic)
+
+
+def uses_forward_mode(graph: torch.fx.GraphModule) -> bool:
+    """Whether dynamo's ``graph`` (or a subgraph) enters forward-mode AD (``torch.func.jvp``, dual
+    tensors): where ZeroTensors come from."""
+    for module in graph.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and re.search(r"jvp|dual", str(getattr(node.target, "__name__", node.target))):
+                    return True
+    return False
+
+
+class _InductorWithRealZeros:
+    """``torch.compile``'s inductor backend (``wrapper``, with its mode and options) whose
+    decompositions turn ZeroTensors into real zeros (``_fence.REAL_ZEROS``: inductor's own
+    kernels read a ZeroTensor's missing memory and crashed the process), for the graphs that use
+    forward mode. Only those: with decompositions of its own, a compilation bypasses AOTAutograd's
+    on-disk cache (a warm re-run compiles it again; measured: the persisted gradient of
+    tests/test_persist.py no longer loaded), so the reverse-mode graphs keep the plain wrapper."""
+
+    compiler_name = "inductor"
+
+    def __init__(self, wrapper: Any, compile_fx: tuple[Callable[..., Any], Callable[[], dict[Any, Any]], bool]) -> None:
+        self.wrapper = wrapper
+        self.compile_fx, self.decompositions, self.takes_region_name = compile_fx
+
+    def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:
+        if not uses_forward_mode(model_):
+            return self.wrapper(model_, inputs_, config_patches=config_patches)
+        extra = {"compile_region_name": getattr(self.wrapper, "name", None)} if self.takes_region_name else {}
+        return self.compile_fx(
+            model_, inputs_, config_patches={**self.wrapper.config, **(config_patches or {})},
+            decompositions={**self.decompositions(), **REAL_ZEROS}, **extra,
+        )
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ...: the wrapper's
+        return getattr(self.wrapper, name)
 
 
 class _ConfigLoggingFailures(logging.Filter):
