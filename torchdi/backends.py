@@ -85,7 +85,10 @@ class AutoCompile:
         mode: ``torch.compile`` mode (``None``, ``"reduce-overhead"``, ``"max-autotune"``, ...).
         fullgraph: refuse graph breaks (an error at preparation names the reason).
         dynamic: ``torch.compile``'s ``dynamic=``.
-        compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...).
+        compiler: ``torch.compile``'s ``backend=`` (``"inductor"``, ``"aot_eager"``, ...), or
+            ``"aot_inductor"`` (torchdi's): each graph dynamo traces compiled by AOTInductor and
+            called from C++ behind the same guards, inductor for the graphs it must not run
+            (``engines/_aoti_private.py``); faster calls, slower cold compilations; CPU.
         options: inductor options (a mapping), as ``torch.compile(options=...)``. Over torchdi's
             one default: ``{"layout_optimization": False}`` (see ``engines._compiled.inductor_options``).
         cache_dir: persist the compiled artifacts of each preparation (torch's Mega-Cache:
