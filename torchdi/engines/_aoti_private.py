@@ -63,15 +63,12 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from torchdi._fence import REAL_ZEROS, Fence
 from torchdi._fence import probe as _probe
-
-if TYPE_CHECKING:  # a fence imports only torch and torchdi._fence; the store is handed in
-    from torchdi.cache import Store
 
 __all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence"]
 
@@ -90,6 +87,15 @@ _KIND = "aot_inductor"
 
 
 _Api = tuple[Callable[..., Any], Callable[..., Any], type, Callable[[Any], Any]]
+
+
+class Store(Protocol):
+    """What the compiler asks of its store (``torchdi.cache.Store``, handed in by the engine: a
+    fence imports only torch and ``torchdi._fence``)."""
+
+    def get(self, kind: str, key: str) -> bytes | None: ...
+
+    def put(self, kind: str, key: str, payload: bytes) -> bool: ...
 
 
 def _aoti_api() -> _Api:
@@ -314,17 +320,15 @@ class AOTInductorCompiler:
         make_fx, aot_compile, runner_type, tracing = api
         key = program_key(graph, example_inputs, self.options) if self.store is not None and _persistable(graph) else None
         runner = self._load(key, runner_type)
-        self.loaded.append(runner is not None)
+        loaded = runner is not None
         if runner is None:
             try:
                 with tracing(None), _state_restored():
                     aten = make_fx(graph, decomposition_table=REAL_ZEROS, tracing_mode="fake")(*example_inputs)
             except Exception as error:  # a graph make_fx cannot retrace: inductor compiles it as always
-                self.loaded.pop()
                 return self._fall_back(f"make_fx failed on it ({type(error).__name__}: {error})", graph, example_inputs)
             reason = _unsuitable_aten_graph(aten)
             if reason is not None:
-                self.loaded.pop()
                 return self._fall_back(reason, graph, example_inputs)
             try:
                 with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None), warnings.catch_warnings():
@@ -342,15 +346,14 @@ class AOTInductorCompiler:
                         with open(library, "rb") as file:
                             self.store.put(_KIND, key, file.read())
             except Exception as error:  # AOTInductor's own failure on this graph
-                self.loaded.pop()
                 return self._fall_back(f"AOTInductor failed on it ({type(error).__name__}: {error})", graph, example_inputs)
         self.programs.append("aot_inductor")
-        run = runner.run
+        self.loaded.append(loaded)
+        run = runner.run  # (the bound method keeps the runner, and so the loaded library, alive)
 
         def aot_inductor_program(*args: torch.Tensor) -> list[torch.Tensor]:
             return run(list(args))
 
-        aot_inductor_program.runner = runner  # type: ignore[attr-defined]
         self.made.append(weakref.ref(aot_inductor_program))
         return aot_inductor_program
 
