@@ -22,7 +22,10 @@ VERSION_TESTS := tests/test_operators.py tests/test_prep_rules.py tests/test_com
 VERSION_MARKS := not scenarios and not inductor and not slow and not cuda
 # float64 only there: the float32 cases of the operator grid exercise the same torch internals.
 VERSION_SELECT := not float32
-PIP_QUIET := --quiet --disable-pip-version-check
+# No pip cache: where the registry is reached over HTTP (CI), pip would otherwise keep a copy of
+# every wheel it downloads, about 7 GB beside the environments' 14 GB for the two CUDA builds of
+# torch; a CI run once stopped on 'No space left on device' while installing them.
+PIP_QUIET := --quiet --disable-pip-version-check --no-cache-dir
 
 .PHONY: test test-main test-main-scenarios test-main-rest test-xla test-next test-oldest test-gpu lint bench check clean docs docs-check
 
@@ -69,7 +72,10 @@ test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/xla
 	$(XLA_VENV)/bin/python -m pytest -q tests/test_real_models.py -k resnet
 
-$(NEXT_VENV)/.dependencies: Makefile
+# After $(XLA_VENV)'s dependencies, not beside them: pip holds each environment's downloaded wheels
+# (about 3 GB) until it has installed them, and the two at once are the peak of the disk make test
+# needs.
+$(NEXT_VENV)/.dependencies: Makefile | $(XLA_VENV)/.dependencies
 	test -x $(NEXT_VENV)/bin/python || $(PY) -m venv $(NEXT_VENV)
 	$(NEXT_VENV)/bin/pip install $(PIP_QUIET) torch==$(NEXT_TORCH_VERSION) numpy pytest hypothesis scipy
 	touch $@
