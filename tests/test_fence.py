@@ -128,7 +128,7 @@ def test_the_fence_check_sees_private_uses():
 
 def test_every_fast_path_has_a_fence_test():
     persisted = {"artifact_scope", "compile_cache_counts"}  # fenced in tests/test_persist.py
-    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config", "real_zeros"} | persisted
+    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config", "real_zeros", "repeated_guards"} | persisted
     assert tested == set(_dynamo.FAST_PATHS)
 
 
@@ -640,3 +640,58 @@ def test_inductor_without_compile_fx_is_torch_compiles_own_with_one_warning(monk
         _dynamo.compiler_for("inductor", None, None, None)
     assert isinstance(plain, torch._TorchCompileInductorWrapper) and plain.config == {"layout_optimization": False}
     assert len(_warnings_naming(caplog, "real_zeros")) == 1
+
+
+def _vmap_of_jvp(x, t):
+    return torch.func.vmap(lambda s: torch.func.jvp(torch.sin, (x,), (s,)), out_dims=(None, 0))(t)
+
+
+def test_repeated_functorch_stack_guards_are_left_out_and_one_stays(monkeypatch):
+    """The "repeated_guards" fast path: of dynamo's functorch-stack guards (one per transform the
+    traced code enters, each comparing the stack at the frame's entry with the same states) one
+    is installed; it still fails the program under an outer transform. Every other guard stays."""
+    decisions = []  # per compilation
+    leave_out = _dynamo.without_repeated_guards
+
+    def recorded(entries):
+        keep = leave_out(entries)
+        decisions.append([(entry.guard_type, kept) for entry, kept in zip(entries, keep)])
+        return keep
+
+    monkeypatch.setattr(_dynamo, "without_repeated_guards", recorded)
+    compiled = _dynamo.compile_function(_vmap_of_jvp, "aot_eager", fullgraph=True, dynamic=False)
+    x, t = torch.randn(3), torch.randn(2, 3)
+    value, tangents = compiled(x, t)
+    torch.testing.assert_close((value, tangents), (torch.sin(x), torch.cos(x) * t))
+    stack_guards = [kept for kind, kept in decisions[-1] if kind == "FUNCTORCH_STACK_MATCH"]
+    assert stack_guards.count(True) == 1  # (torch 2.9 .. 2.14.1 install one per transform: two here)
+    assert all(kept for kind, kept in decisions[-1] if kind != "FUNCTORCH_STACK_MATCH")
+    check = _dynamo.cache_entries(_vmap_of_jvp.__code__)[0][0]
+    frame_locals = {"x": x, "t": t}
+    assert check(frame_locals)
+    under_vmap = []
+    torch.func.vmap(lambda z: under_vmap.append(check(frame_locals)) or z)(torch.zeros(2))
+    assert under_vmap == [False]
+
+
+class _Guard:
+    def __init__(self, code_list):
+        self.code_list = code_list
+
+
+class _Entry:
+    def __init__(self, guard_type, code_list):
+        self.guard_type, self.orig_guard = guard_type, _Guard(code_list)
+
+
+def test_only_exact_repeats_of_a_functorch_stack_guard_are_left_out(monkeypatch, caplog):
+    """Another recorded stack, another guard type with the same code, or a torch whose guard
+    entries do not spell the code out (then every guard stays, with one warning): kept."""
+    same, other = ["compare_functorch_state([])"], ["compare_functorch_state([(1, 2)])"]
+    entries = [_Entry("FUNCTORCH_STACK_MATCH", same), _Entry("FUNCTORCH_STACK_MATCH", other), _Entry("GRAD_MODE", same),
+               _Entry("FUNCTORCH_STACK_MATCH", same), _Entry("FUNCTORCH_STACK_MATCH", other), _Entry("FUNCTORCH_STACK_MATCH", same * 2)]
+    assert _dynamo.without_repeated_guards(entries) == [True, True, True, False, False, False]
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        kept = _dynamo.without_repeated_guards([_Entry("FUNCTORCH_STACK_MATCH", None), _Entry("FUNCTORCH_STACK_MATCH", None)])
+    assert kept == [True, True] and len(_warnings_naming(caplog, "repeated_guards")) == 1

@@ -111,7 +111,7 @@ import itertools
 import logging
 import re
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -435,6 +435,7 @@ FAST_PATHS: dict[str, str] = {
     "dynamo_errors": "recognising dynamo's compiler failures and refusals (torch._dynamo.exc)",
     "value_free_graph": "a value-free copy of a traced gradient graph (the plain gradient skips f's final reduction)",
     "real_zeros": "inductor's compile_fx and default decompositions, to compile forward mode's ZeroTensors as real zeros",
+    "repeated_guards": "leaving out repeats of dynamo's functorch-stack guard (one Python call each per program call)",
 }
 
 # What a fallback costs when it is more than time (the others are slower, never different).
@@ -588,12 +589,45 @@ _METRICS_LOGGER = "torch._dynamo.metrics_context"
 _metrics_filter = _ConfigLoggingFailures()
 
 
+# The guard that compares functorch's interpreter stack with the one the program was traced in.
+_FUNCTORCH_STACK_GUARD = "FUNCTORCH_STACK_MATCH"
+
+
+def without_repeated_guards(entries: Sequence[Any]) -> list[bool]:
+    """Which of dynamo's guard ``entries`` (``GuardFilterEntry``) to keep: all but the
+    functorch-stack guards whose code repeats one kept before (``"repeated_guards"``).
+
+    Args:
+        entries: what ``torch.compile``'s ``guard_filter_fn`` receives.
+
+    Returns:
+        One ``bool`` per entry: whether dynamo installs it.
+    """
+    seen: set[frozenset[str]] = set()
+    keep = []
+    for entry in entries:
+        if getattr(entry, "guard_type", None) == _FUNCTORCH_STACK_GUARD:
+            code = getattr(getattr(entry, "orig_guard", None), "code_list", None)
+            if not code:  # a torch that does not spell the guard out: it stays
+                warn_off("repeated_guards", "a guard entry without its code (orig_guard.code_list)")
+            else:
+                # (a set: a guard built twice, as dynamo may, lists its code twice)
+                key = frozenset(code)
+                if key in seen:
+                    keep.append(False)
+                    continue
+                seen.add(key)
+        keep.append(True)
+    return keep
+
+
 def compile_function(function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None) -> Any:
     """``torch.compile(function, ...)`` with the preparation's recompile limit where torch takes
     it as an argument (the config knob covers older torch), outside dynamo's caching precompile
-    (``sound_settings``: ``torch.compile`` decides at this call whether a function joins it)."""
+    (``sound_settings``: ``torch.compile`` decides at this call whether a function joins it),
+    without repeats of a guard (``without_repeated_guards``)."""
     logging.getLogger(_METRICS_LOGGER).addFilter(_metrics_filter)  # once: a filter is added once
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"options": {"guard_filter_fn": without_repeated_guards}}
     if "recompile_limit" in _COMPILE_PARAMETERS:
         extra["recompile_limit"] = RECOMPILE_LIMIT
     with patched_config(sound_settings()):
