@@ -140,6 +140,23 @@ def _helper_case():
     return uses_helper, change
 
 
+# One module reached through two places: dynamo guards the second only as "is the first" (an
+# aliasing guard, which torchdi has torch build in C++: engines/_compiled.py; without it, the
+# rebinding below returns the old value).
+FIRST, SECOND = types.SimpleNamespace(lib=torch), types.SimpleNamespace(lib=torch)
+
+
+def uses_one_module_twice(x):
+    return (FIRST.lib.sin(x) + SECOND.lib.cos(x)).sum()
+
+
+def _aliased_case():
+    def change():
+        SECOND.lib = types.SimpleNamespace(cos=torch.sin)
+
+    return uses_one_module_twice, change
+
+
 CASES = {
     "global float": lambda: _global_case(uses_global_float, "SCALE", 5.0),
     "global dict entry": _dict_case,
@@ -147,6 +164,7 @@ CASES = {
     "object attribute": _attribute_case,
     "module.training of a captured module": _module_case,
     "redefined helper function": _helper_case,
+    "one module through two names, one rebound": _aliased_case,
 }
 
 
@@ -163,6 +181,7 @@ def _restore_globals():
     global SCALE, helper
     saved = (SCALE, dict(FLAGS), CFG.k, helper)
     yield
+    SECOND.lib = torch
     SCALE, helper = saved[0], saved[3]
     FLAGS.clear()
     FLAGS.update(saved[1])

@@ -137,8 +137,19 @@ def _dynamo_settings() -> dict[str, Any]:
     # the prepared heat-equation jacobian (N=200, ~33 us a call) took ~1.5 us less. A speed knob
     # only: left out, without a warning, where this torch lacks it.
     markers = {"record_runtime_overhead": False} if config_value("record_runtime_overhead", None) is not None else {}
+    # Aliasing guards (one object reached through two places) as C++ guards, not one Python
+    # function run on every call: torch 2.13 emits them in Python for its recursive dict-tag
+    # guard optimization, which is off there (as in 2.14.1, whose default this is; the heat
+    # equation's guard check 7.2 -> 7.0 us). Left as torch has them where that optimization is
+    # on (torch 2.9). The same guards either way: a speed knob, left out without a warning.
+    aliasing = (
+        {"use_lamba_guard_for_object_aliasing": False}
+        if config_value("use_lamba_guard_for_object_aliasing", None) is not None and config_value("use_recursive_dict_tags_for_guards", True) is False
+        else {}
+    )
     return {
         **markers,
+        **aliasing,
         # .item() of a float context gives dynamo a symbolic float: double-precision Python
         # arithmetic inside the graph, no recompilation per value.
         "capture_scalar_outputs": True,
