@@ -6,9 +6,10 @@ These runners are pure functions of their arguments, which is what ``AutoCompile
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
+from torch.compiler import is_compiling
 from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
 from torch.utils import _pytree as pytree
 
@@ -21,8 +22,6 @@ from torchdi.translate import overlaps_itself
 
 __all__ = ["FuncEngine", "in_output_shape", "scalar_output"]
 
-# vmap's out_dims for (value, per-tangent result): the value does not depend on the tangent.
-_SHARED_VALUE: Any = (None, 0)
 # Random operations in f (dropout) draw once for all tangents: one evaluation of f shared by
 # every tangent, as AutoAutograd computes (vmap's default refuses random operations).
 _RANDOMNESS = "same"
@@ -30,7 +29,10 @@ _RANDOMNESS = "same"
 
 def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
     """``torch.func.jvp`` without ``has_aux``: always ``(value, tangent)``."""
-    return cast(tuple[Any, Any], jvp(fn, primals, tangents))
+    # jvp's defaults passed, and no typing.cast: what compiled runners trace through here is
+    # guarded on every call, each default and each module global read (a guard apiece).
+    result: Any = jvp(fn, primals, tangents, strict=False, has_aux=False)
+    return result
 
 
 def _jvp_through_contexts(f: Any, x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -65,8 +67,12 @@ def _vmap_shared_value(along: Any, tangents: Any) -> tuple[Any, Any]:
     value does not depend on the tangent: returned once (``out_dims=None``). Under an outer
     ``torch.func`` transform (DESIGN rule 10) functorch may still wrap that value at the inner
     level, which ``out_dims=None`` refuses: it is then batched and its first entry taken."""
-    if torch.compiler.is_compiling() or functorch_level() is None:
-        return cast(tuple[Any, Any], vmap(along, out_dims=_SHARED_VALUE, randomness=_RANDOMNESS)(tangents))
+    if is_compiling() or functorch_level() is None:
+        # The value once, the results per tangent. A local tuple and vmap's defaults passed, as in
+        # _jvp (the same tuple as a module constant was six guards).
+        shared_value: Any = (None, 0)
+        result: Any = vmap(along, in_dims=0, out_dims=shared_value, randomness=_RANDOMNESS, chunk_size=None)(tangents)
+        return result
     value, result = vmap(along, randomness=_RANDOMNESS)(tangents)
     return _first(value), result
 
@@ -113,7 +119,8 @@ class FuncEngine:
 
     def _pullback_with_aux(self, f: Any, spec: Any) -> Any:
         def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, vjp_fn, aux = cast(tuple[Any, Any, Any], vjp(lambda x_: f(x_, contexts), x, has_aux=True))
+            pulled: Any = vjp(lambda x_: f(x_, contexts), x, has_aux=True)  # (no typing.cast traced: see _jvp)
+            y, vjp_fn, aux = pulled
             (dx,) = vmap(vjp_fn, randomness=_RANDOMNESS)(ty)
             return (y, aux), dx
 
@@ -122,7 +129,8 @@ class FuncEngine:
     def _pushforward_with_aux(self, f: Any, spec: Any) -> Any:
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def along(t: Any) -> tuple[Any, Any, Any]:
-                y, dy, aux = cast(tuple[Any, Any, Any], jvp(lambda x_: f(x_, contexts), (x,), (t,), has_aux=True))
+                pushed: Any = jvp(lambda x_: f(x_, contexts), (x,), (t,), has_aux=True)
+                y, dy, aux = pushed
                 return y, _like_primal(dy, y), aux
 
             out_dims: Any = (None, 0, None)
@@ -133,7 +141,8 @@ class FuncEngine:
 
     def _derivative_with_aux(self, f: Any, spec: Any) -> Any:
         def run(x: torch.Tensor, _: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, dy, aux = cast(tuple[Any, Any, Any], jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),), has_aux=True))
+            pushed: Any = jvp(lambda x_: f(x_, contexts), (x,), (torch.ones_like(x),), has_aux=True)
+            y, dy, aux = pushed
             return (y, aux), _like_primal(dy, y)
 
         return run
@@ -155,7 +164,8 @@ class FuncEngine:
         single = spec.n_tangents == 1
 
         def run(x: Any, ty: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
-            y, vjp_fn = cast(tuple[Any, Any], vjp(lambda x_: f(x_, contexts), x))
+            pulled: Any = vjp(lambda x_: f(x_, contexts), x)  # (no typing.cast traced: see _jvp)
+            y, vjp_fn = pulled
             if single:
                 (dx,) = vjp_fn(_first(ty))
                 return y, _add_batch(dx)
@@ -166,13 +176,16 @@ class FuncEngine:
 
     def _pushforward(self, f: Any, spec: Any) -> Any:
         single = spec.n_tangents == 1
+        inside_forward_mode, tensor_y = spec.inside_forward_mode, spec.y.is_tensor
 
         def run(x: Any, tx: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any]:
             def along(t: Any) -> tuple[Any, Any]:
-                if spec.inside_forward_mode:  # see _hvp
+                if inside_forward_mode:  # see _hvp
                     y, dy = _jvp_through_contexts(f, x, t, contexts)
                 else:
                     y, dy = _jvp(lambda x_: f(x_, contexts), (x,), (t,))
+                if tensor_y:  # _like_primal without its pytree walk (what it reads is guarded)
+                    return y, dy if dy.dtype == y.dtype else dy.to(y.dtype)
                 return y, _like_primal(dy, y)
 
             if single:
