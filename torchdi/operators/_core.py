@@ -482,7 +482,7 @@ def run_operator(
     if not plain_values:
         values = without_inference_tensors(values)
     attach = None
-    if _transparent.outer_transform_active(() if plain_x else x, () if plain_values else values, prep.reads_tracked, detached, tangents):
+    if _transparent.outer_transform_active(None if plain_x else x, None if plain_values else values, prep.reads_tracked, detached, tangents):
         if _transparent.composes(prep.backend, family) or _transparent.under_functorch_or_dynamo():
             return _run_transparent(family, operator, prep, x, tangents, values, value)
         # torch.autograd alone, on a backend that does not compose: the plain results, whose backward

@@ -108,15 +108,21 @@ def tracked(tree: Any) -> bool:
     return False
 
 
-def outer_transform_active(x: Any, values: tuple[Any, ...], reads_tracked: bool, detached: bool, tangents: Any = None) -> bool:
+def outer_transform_active(x: Any, values: tuple[Any, ...] | None, reads_tracked: bool, detached: bool, tangents: Any = None) -> bool:
     """Whether a ``torch.func`` transform, dynamo, or ``torch.autograd`` may differentiate or batch
     this call's result (see the module docstring). O(1) plus a look at ``x``'s, the contexts' and
-    the tangents' tensors."""
+    the tangents' tensors (``x`` or ``values`` ``None``: the caller knows they hold no tensor that
+    requires grad)."""
     if _is_compiling() or _maybe_current_level() is not None:  # (dynamo cannot call the latter)
         return True
     if detached or not torch.is_grad_enabled():
         return False
-    return reads_tracked or tracked(x) or tracked(values) or (tangents is not None and tracked(tangents))
+    return (
+        reads_tracked
+        or (x is not None and tracked(x))
+        or (values is not None and tracked(values))
+        or (tangents is not None and tracked(tangents))
+    )
 
 
 def composes(backend: Backend, family: str) -> bool:
