@@ -345,3 +345,69 @@ def test_programs_call_only_aten_and_prims_operators():
     reason = _aoti_private._unsuitable_aten_graph(graph_calling(torch.ops._c10d_functional.all_reduce.default, "sum", "0"))
     assert "outside aten's and prims' operators" in reason
     assert "not an aten operator" in _aoti_private._unsuitable_aten_graph(graph_calling(user_helper))
+
+
+def _captured_compilations(monkeypatch, options=None):
+    """Compile ``mlp``'s gradient with ``AOTInductorCompiler(options)``, capturing what
+    AOTInductor is asked to compile (and the CPU wrapper registered then) instead of compiling."""
+    make_fx, _, runner_type, tracing = _aoti_private._api()
+    captured = []
+
+    def capture(aten, inputs, options):
+        entry = _aoti_private._cpu_wrapper_entry()
+        captured.append((options, None if entry is None else entry[0].cpp_wrapper_codegen))
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(_aoti_private, "_AOTI_API", (make_fx, capture, runner_type, tracing))
+    compiler = _aoti_private.AOTInductorCompiler(lambda graph, inputs: graph, options)
+    x, W = torch.randn(4), torch.randn(4, 4)
+    torch.compile(torch.func.grad(mlp), backend=compiler, fullgraph=True)(x, W, 0.5)
+    return captured
+
+
+def test_small_temporaries_live_on_the_stack_whatever_compiled_first(monkeypatch, caplog):
+    """The "stack_buffers" fast path: AOTInductor compiles with inductor's
+    allow_stack_allocation under inductor's array-ref CPU wrapper, even after inductor registered
+    its plain one (torch 2.13 chooses once per process), which is registered again afterwards; a
+    user's own setting wins; without the registry's internals the option stays off, with one warning."""
+    torch.compile(torch.sin)(torch.randn(3))  # inductor first: its plain CPU wrapper is registered
+    entry, plain, array_ref = _aoti_private._cpu_wrapper_entry()
+    assert entry.cpp_wrapper_codegen is plain
+    ((options, wrapper),) = _captured_compilations(monkeypatch)
+    assert options["aot_inductor.allow_stack_allocation"] is True and wrapper is array_ref
+    assert entry.cpp_wrapper_codegen is plain  # as it was
+
+    ((options, wrapper),) = _captured_compilations(monkeypatch, {"aot_inductor.allow_stack_allocation": False})
+    assert options["aot_inductor.allow_stack_allocation"] is False and wrapper is plain
+
+    monkeypatch.setattr(_aoti_private, "_CPU_WRAPPERS", None)
+    monkeypatch.setattr(_aoti_private.fence, "warned", set())
+    with caplog.at_level(logging.WARNING, logger="torchdi"):
+        ((options, _),) = _captured_compilations(monkeypatch)
+        _captured_compilations(monkeypatch)
+    assert "aot_inductor.allow_stack_allocation" not in options
+    assert caplog.text.count("lacks the internal") == 1 and "stack_buffers" in caplog.text
+
+
+def test_programs_with_temporaries_on_the_stack_give_eager_results():
+    # The heat equation's sparse jacobian and a hessian whose temporaries exceed the stack's
+    # share (inductor keeps those on the heap), against torch.func.
+    def heat(u):
+        return torch.cat([-2 * u[0:1] + u[1:2], u[:-2] - 2 * u[1:-1] + u[2:], u[-2:-1] - 2 * u[-1:]])
+
+    def rosenbrock(z):
+        return (100 * (z[1:] - z[:-1] ** 2) ** 2 + (1 - z[:-1]) ** 2).sum()
+
+    backend = td.AutoSparse(BACKEND)
+    for op, f, x in [(td.jacobian, heat, torch.randn(200)), (td.hessian, rosenbrock, torch.randn(20_000, dtype=torch.float64))]:
+        prep = (td.prepare_jacobian if op is td.jacobian else td.prepare_hessian)(f, backend, x)
+        assert programs(prep) == ["aot_inductor"]
+        for point in (x, torch.randn_like(x)):
+            got = op(f, backend, point, prep=prep)
+            if op is td.jacobian:
+                torch.testing.assert_close(got.to_dense(), torch.func.jacfwd(f)(point))
+            else:  # a tridiagonal hessian, compared on its three diagonals
+                i, j = got.to_sparse_coo().coalesce().indices()
+                assert bool(((i - j).abs() <= 1).all())
+                v = torch.zeros_like(point).index_fill_(0, torch.arange(0, point.numel(), 3), 1.0)
+                torch.testing.assert_close(got @ v, torch.func.jvp(torch.func.grad(f), (point,), (v,))[1])
