@@ -452,6 +452,7 @@ def run_operator(
                     return result
         prep = prepare_operator(family, operator, f, backend, x, tangents, contexts, strict=False, value=value, has_aux=has_aux)
         values = tuple(c.value for c in contexts)
+        x_matched = False
         if key is not None and prep.learned is not None:
             _one_shot.remember(f, key, prep.learned)
     else:
@@ -474,9 +475,11 @@ def run_operator(
             prep.point.check(x, values)
         elif not prep.strict:
             prep = _loose(prep, family, operator, f, x, tangents, contexts)
+        # x's description (type, shape, dtype) is the one prepared: the strict check's, or _loose's.
+        x_matched = prep.strict or prep.point is None
     # One look at the leaves for the common case (tensors that neither require grad nor were made
     # under inference_mode): then there is nothing to copy, and outer autograd sees no context.
-    plain_x, plain_values = _plain(x), _plain(values)
+    plain_x, plain_values = _plain(x), (not values or _plain(values))
     if not plain_x:
         x = without_inference_tensors(x)
     if not plain_values:
@@ -497,7 +500,9 @@ def run_operator(
         # A compiled program is prepared for plain contexts (see _built): one that requires grad
         # would fail its guards and recompile.
         values = _detached_values(values)
-    x_run = canonical_x(x, family, operator)
+    # A plain contiguous tensor of the prepared description is what canonical_x would return
+    # (its dtype was checked at preparation): 0.3 us a call less.
+    x_run = x if x_matched and plain_x and type(x) is torch.Tensor and x.is_contiguous() else canonical_x(x, family, operator)
     batched = None if tangents is None else _batch_tangents(tangents)
     call = prep.call if value or prep.lean_call is None else prep.lean_call
     grad_enabled = torch.is_grad_enabled()
