@@ -642,6 +642,31 @@ def test_inductor_without_compile_fx_is_torch_compiles_own_with_one_warning(monk
     assert len(_warnings_naming(caplog, "real_zeros")) == 1
 
 
+def test_inductor_with_real_zeros_calls_the_wrapper_as_dynamo_does():
+    """Reverse-mode graphs go to torch.compile's own inductor wrapper as dynamo calls a backend,
+    without a config_patches keyword where none is given: torch 2.9's wrapper takes none (every
+    AutoCompile() gradient failed there with a TypeError)."""
+    calls = []
+
+    def wrapper_of_torch_29(model_, inputs_):
+        calls.append(model_)
+        return model_.forward
+
+    compiler = _dynamo._InductorWithRealZeros(wrapper_of_torch_29, (None, None, False))
+    graph = torch.fx.symbolic_trace(lambda x: x.sin())
+    assert compiler(graph, [torch.ones(2)]) == graph.forward and calls == [graph]
+
+
+def test_default_inductor_compiles_on_this_torch():
+    """``AutoCompile()`` end to end with inductor, a reverse-mode and a forward-mode graph: not
+    inductor-marked, so that the version runs (torch 2.9 and 2.14.1, make test) compile one too."""
+    x = torch.linspace(-1.0, 1.0, 4)
+    gradient = td.gradient(uses_global, td.AutoCompile(), x, td.Constant(torch.ones(4)), td.Constant(0.5))
+    torch.testing.assert_close(gradient, torch.func.grad(uses_global)(x, torch.ones(4), 0.5))
+    jacobian = td.jacobian(torch.sin, td.AutoCompile(inner=td.AutoFunc(mode="forward")), x)
+    torch.testing.assert_close(jacobian, torch.diag(torch.cos(x)))
+
+
 def _vmap_of_jvp(x, t):
     return torch.func.vmap(lambda s: torch.func.jvp(torch.sin, (x,), (s,)), out_dims=(None, 0))(t)
 

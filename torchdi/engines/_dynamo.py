@@ -550,6 +550,8 @@ class _InductorWithRealZeros:
 
     def __call__(self, model_: Any, inputs_: Any, *, config_patches: dict[str, Any] | None = None) -> Any:
         if not uses_forward_mode(model_):
+            if config_patches is None:  # (torch 2.9's wrapper takes no config_patches)
+                return self.wrapper(model_, inputs_)
             return self.wrapper(model_, inputs_, config_patches=config_patches)
         extra = {"compile_region_name": getattr(self.wrapper, "name", None)} if self.takes_region_name else {}
         return self.compile_fx(
