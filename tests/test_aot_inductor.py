@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import torchdi as td
-from torchdi.engines import _aoti_private
+from torchdi.engines import _aoti_private, _dynamo
 
 pytestmark = pytest.mark.inductor
 
@@ -361,8 +361,14 @@ def _captured_compilations(monkeypatch, options=None):
     monkeypatch.setattr(_aoti_private, "_AOTI_API", (make_fx, capture, runner_type, tracing))
     compiler = _aoti_private.AOTInductorCompiler(lambda graph, inputs: graph, options)
     x, W = torch.randn(4), torch.randn(4, 4)
-    torch.compile(torch.func.grad(mlp), backend=compiler, fullgraph=True)(x, W, 0.5)
+    # (each call compiles the same code object again, with a new backend: past dynamo's default
+    # recompile limit of 8 in a long test process, which compile_function lifts)
+    _dynamo.compile_function(_mlp_gradient, compiler, fullgraph=True, dynamic=False)(x, W, 0.5)
     return captured
+
+
+def _mlp_gradient(x, W, c):
+    return torch.func.grad(mlp)(x, W, c)
 
 
 def test_small_temporaries_live_on_the_stack_whatever_compiled_first(monkeypatch, caplog):
