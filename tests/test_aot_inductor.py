@@ -391,7 +391,7 @@ def test_small_temporaries_live_on_the_stack_whatever_compiled_first(monkeypatch
     with caplog.at_level(logging.WARNING, logger="torchdi"):
         ((options, _),) = _captured_compilations(monkeypatch)
         _captured_compilations(monkeypatch)
-    assert "aot_inductor.allow_stack_allocation" not in options
+    assert options["aot_inductor.allow_stack_allocation"] is False
     assert caplog.text.count("lacks the internal") == 1 and "stack_buffers" in caplog.text
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -147,21 +148,21 @@ def require_process_group(who: str, group: Any = None) -> None:
 # -- FSDP2 -----------------------------------------------------------------------------------------
 
 
+# Both types only as far as something imported their modules already: every use is an isinstance
+# check, and no FSDP2 module or DTensor exists before its module is imported. Importing them here
+# cost every preparation about 0.5 s (torch.distributed.fsdp, through DTensor's operator tables:
+# a third of a warm AutoCompile(compiler="aot_inductor") MLP's first result).
+
+
 def _fsdp_module_type() -> type | None:
-    """``torch.distributed.fsdp.FSDPModule`` (FSDP2), or ``None`` where this torch has none."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed, or before FSDP2 was public (2.6)
-        return None
-    return FSDPModule
+    """``torch.distributed.fsdp.FSDPModule`` (FSDP2), or ``None`` where this torch has none
+    (before 2.6, or without distributed) or nothing has imported it."""
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
+    """``torch.distributed.tensor.DTensor``, or ``None`` where nothing has imported it."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 # Ids of FSDP2 modules whose own forward hooks are switched off right now (see _fsdp_hooks_off),

@@ -164,17 +164,25 @@ def _cpu_wrapper_entry() -> tuple[Any, type, type] | None:
 
 
 @contextlib.contextmanager
-def _array_ref_wrapper(wanted: bool) -> Iterator[None]:
+def _array_ref_wrapper(wanted: bool) -> Iterator[bool]:
     """With ``wanted``, inductor's array-ref CPU wrapper for the compilation in the block, where
-    the process registered the plain one ("stack_buffers")."""
-    found = _cpu_wrapper_entry() if wanted else None
-    if found is None or found[0].cpp_wrapper_codegen is not found[1]:
-        yield
+    the process registered the plain one ("stack_buffers"). Yields whether the compilation may
+    keep ``allow_stack_allocation`` as asked (``False``: this torch lacks the registry, or the
+    process registered a CPU wrapper of its own)."""
+    if not wanted:
+        yield True
+        return
+    found = _cpu_wrapper_entry()
+    if found is None:
+        yield False
         return
     entry, plain, array_ref = found
+    if entry.cpp_wrapper_codegen is array_ref:
+        yield True
+        return
     entry.cpp_wrapper_codegen = array_ref
     try:
-        yield
+        yield True
     finally:
         entry.cpp_wrapper_codegen = plain
 
@@ -391,9 +399,11 @@ class AOTInductorCompiler:
             if reason is not None:
                 return self._fall_back(reason, graph, example_inputs)
             try:
-                with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None), warnings.catch_warnings(), _array_ref_wrapper(bool(options.get(_STACK_ALLOCATION))):
+                with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory, tracing(None), warnings.catch_warnings(), _array_ref_wrapper(options.get(_STACK_ALLOCATION) is True) as as_asked:
                     # torch 2.13's own deprecation, raised while AOTInductor pickles its pytree specs.
                     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                    if not as_asked:  # built with heap buffers: not stored under the key that says otherwise
+                        options, key = {**options, _STACK_ALLOCATION: False}, None
                     files = aot_compile(
                         aten,
                         tuple(example_inputs),
@@ -419,8 +429,11 @@ class AOTInductorCompiler:
 
     def _program_options(self) -> dict[str, Any]:
         """Inductor's options for AOTInductor: the user's, over small temporaries on the stack
-        where this torch's CPU wrapper can have them ("stack_buffers")."""
-        if _STACK_ALLOCATION in self.options or _cpu_wrapper_entry() is None:
+        ("stack_buffers"). Asked without looking at inductor's wrappers (their import is about a
+        second, which a persisted program's load would pay: the warm MLP's first result took 2.2
+        s instead of 1.6 s), so that a key is known before anything compiles; a compilation that
+        cannot have the stack builds without it and stores nothing (``_array_ref_wrapper``)."""
+        if _STACK_ALLOCATION in self.options:
             return self.options
         return {_STACK_ALLOCATION: True, **self.options}
 
