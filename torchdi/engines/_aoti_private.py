@@ -429,10 +429,9 @@ class AOTInductorCompiler:
 
     def _program_options(self) -> dict[str, Any]:
         """Inductor's options for AOTInductor: the user's, over small temporaries on the stack
-        ("stack_buffers"). Asked without looking at inductor's wrappers (their import is about a
-        second, which a persisted program's load would pay: the warm MLP's first result took 2.2
-        s instead of 1.6 s), so that a key is known before anything compiles; a compilation that
-        cannot have the stack builds without it and stores nothing (``_array_ref_wrapper``)."""
+        ("stack_buffers"). Asked without looking at inductor's wrappers, whose import a load of a
+        persisted program (which compiles nothing) need not pay; a compilation that cannot have
+        the stack builds without it and stores nothing (``_array_ref_wrapper``)."""
         if _STACK_ALLOCATION in self.options:
             return self.options
         return {_STACK_ALLOCATION: True, **self.options}
