@@ -744,21 +744,21 @@ def _fused(
     if direct is not None and crow.dtype == col.dtype == direct.dtype and crow.device == col.device == direct.device:
         # The three index arrays as one tensor, sliced in the program: dynamo guards each tensor
         # the traced code reads apart (layout, dimension marks, aliasing with the others), and
-        # AOTInductor takes each as an input (the heat equation's call: 24.3 -> 23.x us).
+        # AOTInductor takes each as an input (the heat equation's call: 24.3 -> 23.4-23.6 us).
         crow_end, col_end = crow.numel(), crow.numel() + col.numel()
         held = torch.cat([crow, col, direct])
 
-        def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-            first, compressed = runner(x, seeds, contexts)
-            head = (first,) if gradient is None else tuple(gradient(x, None, contexts))
-            values = compressed.reshape(-1).index_select(0, held[col_end:])
-            return (*head, values, held[:crow_end].clone(), held[crow_end:col_end].clone())
+        def values_and_indices(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return flat.index_select(0, held[col_end:]), held[:crow_end].clone(), held[crow_end:col_end].clone()
     else:
 
-        def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
-            first, compressed = runner(x, seeds, contexts)
-            head = (first,) if gradient is None else tuple(gradient(x, None, contexts))
-            return (*head, recovery.values(compressed.reshape(-1)), crow.clone(), col.clone())
+        def values_and_indices(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return recovery.values(flat), crow.clone(), col.clone()
+
+    def passes_and_values(x: Any, seeds: Any, contexts: tuple[Any, ...]) -> tuple[Any, ...]:
+        first, compressed = runner(x, seeds, contexts)
+        head = (first,) if gradient is None else tuple(gradient(x, None, contexts))
+        return (*head, *values_and_indices(compressed.reshape(-1)))
 
     family = "jacobian" if gradient is None else "hessian"
     return CompiledRunner(passes_and_values, backend, family, getattr(f, "function_name", repr(f)), state_contexts)
