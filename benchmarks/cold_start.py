@@ -5,7 +5,8 @@
 
 Each measurement is a fresh Python process (one thread) that imports torch, prepares, and
 computes one result; it reports the seconds from its start (before ``import torch``) to that
-result, and the seconds of preparation plus first call alone. Each contender gets its own empty
+result, the seconds of preparation plus first call alone, whether dynamo was imported by then,
+and the time of one call after that (the median of 7 repeats of 50 calls). Each contender gets its own empty
 inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``) and, for torchdi, its own empty
 ``TORCHDI_CACHE_DIR``: "cold" is its first process, "warm" its second one on the caches the
 first one left. (Without fresh directories every contender after the first would find
@@ -21,7 +22,8 @@ Contenders:
   dense).
 - ``jax``: ``jax.jit(jax.value_and_grad(f))`` when JAX is importable (it is skipped otherwise).
 - ``torchdi-aoti``: ``AutoCompile(compiler="aot_inductor", cache_dir=<its dir>)`` (its
-  AOTInductor programs persisted by torchdi; ``AutoSparse`` of it on the Brusselator).
+  AOTInductor programs and their seals persisted by torchdi: a warm run loads them without
+  importing dynamo; ``AutoSparse`` of it on the Brusselator).
 
 ``--phases``: where a torch contender's time goes. Its processes import dynamo and inductor
 explicitly before preparing (so "prepare + first call" then leaves those imports out: they are
@@ -44,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 START = time.perf_counter()
@@ -115,10 +118,11 @@ def child(contender: str, problem: str, cache_dir: str, phases: bool = False) ->
     begin = time.perf_counter()
     loaded = None
     if contender == "raw":
-        if problem == "brusselator":
-            result = torch.compile(torch.func.jacfwd(f))(x)
-        else:
-            result = torch.compile(torch.func.grad_and_value(f))(x)[0]
+        program = torch.compile(torch.func.jacfwd(f) if problem == "brusselator" else torch.func.grad_and_value(f))
+        result = program(x)
+
+        def call() -> object:
+            return program(x)
     else:
         if contender == "torchdi-aoti":
             compiled = torchdi.AutoCompile(compiler="aot_inductor", cache_dir=cache_dir)
@@ -128,13 +132,25 @@ def child(contender: str, problem: str, cache_dir: str, phases: bool = False) ->
             backend = torchdi.AutoSparse(torchdi.AutoFunc() if contender == "torchdi-sparse-eager" else compiled)
             prep = torchdi.prepare_jacobian(f, backend, x)
             result = torchdi.jacobian(f, backend, x, prep=prep)
+
+            def call() -> object:
+                return torchdi.jacobian(f, backend, x, prep=prep)
         else:
             prep = torchdi.prepare_gradient(f, compiled, x)
             result = torchdi.gradient(f, compiled, x, prep=prep)
+
+            def call() -> object:
+                return torchdi.gradient(f, compiled, x, prep=prep)
         loaded = bool(prep.loaded_from_cache)
     del result
     end = time.perf_counter()
-    out: dict[str, float | bool | None] = {"total": end - START, "first": end - begin, "loaded": loaded, **imports}
+    out: dict[str, float | bool | None] = {
+        "total": end - START, "first": end - begin, "loaded": loaded, "dynamo": "torch._dynamo" in sys.modules, **imports
+    }
+    # The steady state after that first result: the median of 7 repeats of 50 calls (a sealed
+    # preparation checks its guards in Python, dynamo's own in C++).
+    repeats = sorted(timeit.repeat(call, number=50, repeat=7))
+    out["per_call_us"] = repeats[len(repeats) // 2] / 50 * 1e6
     if phases:
         try:
             from torch._dynamo.utils import compilation_time_metrics
@@ -194,13 +210,15 @@ def measure(contender: str, problem: str, directory: Path, phases: bool = False)
 
 def table(rows: list[tuple[str, str, dict, dict]]) -> str:
     lines = [
-        "| problem | contender | cold: prepare + first call | cold: from process start | warm: prepare + first call | warm: from process start | warm loaded from torchdi's cache |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| problem | contender | cold: prepare + first call | cold: from process start | warm: prepare + first call | warm: from process start | warm loaded from torchdi's cache | warm imported dynamo | warm: per call |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for problem, contender, cold, warm in rows:
+        per_call = warm.get("per_call_us")
         lines.append(
             f"| {problem} | {contender} | {cold['first']:.1f} s | {cold['total']:.1f} s | {warm['first']:.2f} s | {warm['total']:.1f} s "
-            f"| {'-' if warm['loaded'] is None else warm['loaded']} |"
+            f"| {'-' if warm['loaded'] is None else warm['loaded']} | {'-' if warm.get('dynamo') is None else warm['dynamo']} "
+            f"| {'-' if per_call is None else f'{per_call:.0f} us'} |"
         )
     return "\n".join(lines)
 

@@ -59,6 +59,7 @@ FENCES = {
     "_fence.py",
     "_distributed_private.py",
     "engines/_aoti_private.py",
+    "engines/_seal_private.py",
     "engines/_dynamo.py",
     "engines/_xla_private.py",
     "sparsity/_private.py",

@@ -58,6 +58,9 @@ lack the instructions of: it would die of an illegal instruction, which no ``try
 installs its guards, so a changed global, closure cell or helper function changes the graph or
 fails a guard, and finds another entry or compiles: a loaded program is never stale. A hit skips
 ``make_fx`` and AOTInductor's compilation (seconds) for loading the library (about a millisecond).
+A preparation whose programs are all stored may also be *sealed* (``engines/_sealed.py``): then a
+later one loads them with ``load_program`` without tracing (and without importing dynamo or
+inductor), under the seal's own checks of dynamo's guards.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ import torch
 from torchdi._fence import REAL_ZEROS, Fence
 from torchdi._fence import probe as _probe
 
-__all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence"]
+__all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence", "load_program"]
 
 logger = logging.getLogger("torchdi")
 
@@ -129,6 +132,29 @@ def _api() -> _Api | None:
     if _AOTI_API is _UNPROBED:
         _AOTI_API = _probe(_aoti_api)
     return _AOTI_API
+
+
+# torch 2.9 .. 2.14.1: the C++ loader alone (torch._C: no inductor import), for programs loaded
+# from the store by a sealed preparation (engines/_sealed.py), which compiles nothing.
+_RUNNER_TYPE: type | None = _probe(lambda: torch._C._aoti.AOTIModelContainerRunnerCpu)
+
+
+def load_program(store: Store | None, key: str | None, runner_type: type | None = None) -> Any:
+    """The persisted AOTInductor program of ``key`` loaded (an ``AOTIModelContainerRunnerCpu``),
+    or ``None`` (none stored, this torch lacks the loader, or the library does not load here)."""
+    runner_type = runner_type or _RUNNER_TYPE
+    payload = store.get(_KIND, key) if store is not None and key is not None and runner_type is not None else None
+    if payload is None or runner_type is None:
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory:
+            library = os.path.join(directory, "program.so")
+            with open(library, "wb") as file:
+                file.write(payload)
+            return runner_type(library, 1)  # (loaded before the directory goes: the mapping outlives the file)
+    except Exception as error:  # a library this process cannot load: compiled again
+        logger.debug("torchdi cache: the persisted AOTInductor program %s did not load (%s)", str(key)[:16], error)
+        return None
 
 
 _STACK_ALLOCATION = "aot_inductor.allow_stack_allocation"
@@ -362,6 +388,8 @@ class AOTInductorCompiler:
     Attributes:
         programs: per graph compiled, ``"aot_inductor"`` or why it went to the fallback (in order).
         loaded: per AOTInductor program, whether it was loaded from ``store`` (in order).
+        keys: per graph compiled, its program's key in ``store`` (``None``: not persisted, or
+            left to the fallback), for a seal (``engines/_sealed.py``).
         made: weak references to the programs (dynamo's cache entries hold them; a dropped
             preparation frees them, rule 9).
     """
@@ -374,6 +402,7 @@ class AOTInductorCompiler:
         self.store = store
         self.programs: list[str] = []
         self.loaded: list[bool] = []
+        self.keys: list[str | None] = []
         self.made: list[weakref.ref[Callable[..., Any]]] = []
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -387,7 +416,7 @@ class AOTInductorCompiler:
         make_fx, aot_compile, runner_type, tracing = api
         options = self._program_options()
         key = program_key(graph, example_inputs, options) if self.store is not None and _persistable(graph) else None
-        runner = self._load(key, runner_type)
+        runner = load_program(self.store, key, runner_type)
         loaded = runner is not None
         if runner is None:
             try:
@@ -419,6 +448,7 @@ class AOTInductorCompiler:
                 return self._fall_back(f"AOTInductor failed on it ({type(error).__name__}: {error})", graph, example_inputs)
         self.programs.append("aot_inductor")
         self.loaded.append(loaded)
+        self.keys.append(key)
         run = runner.run  # (the bound method keeps the runner, and so the loaded library, alive)
 
         def aot_inductor_program(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -436,23 +466,9 @@ class AOTInductorCompiler:
             return self.options
         return {_STACK_ALLOCATION: True, **self.options}
 
-    def _load(self, key: str | None, runner_type: type) -> Any:
-        """The persisted program of ``key`` loaded, or ``None`` (none stored, or one that does not load)."""
-        payload = self.store.get(_KIND, key) if self.store is not None and key is not None else None
-        if payload is None:
-            return None
-        try:
-            with tempfile.TemporaryDirectory(prefix="torchdi-aoti-") as directory:
-                library = os.path.join(directory, "program.so")
-                with open(library, "wb") as file:
-                    file.write(payload)
-                return runner_type(library, 1)
-        except Exception as error:  # a library this process cannot load: compiled again
-            logger.debug("torchdi cache: the persisted AOTInductor program %s did not load (%s)", str(key)[:16], error)
-            return None
-
     def _fall_back(self, reason: str, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.programs.append(reason)
+        self.keys.append(None)
         logger.info("torchdi: AutoCompile(compiler=\"aot_inductor\") leaves a graph to inductor: %s", reason)
         return self.fallback(graph, example_inputs)
 

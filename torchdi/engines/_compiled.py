@@ -29,6 +29,15 @@ caches before a later preparation of the same program compiles. Dynamo still tra
 builds its guards from that trace, and those caches are keyed by the traced graph itself: what is
 loaded can only make compilation faster, never change a result (rule 7 holds by construction).
 
+With ``compiler="aot_inductor"``, a preparation that compiled one graph into AOTInductor
+programs also stores its *seal* (``engines/_sealed.py``): every guard dynamo installed, written
+down, with the sources of the graph's inputs and how the result is built. A later preparation
+with the same key (this process or another) loads the seal and the programs without importing
+dynamo, checks each guard against its own objects, and on every call checks every guard in
+Python before running the programs; the first check that fails hands the call to dynamo
+(compiled, counted and logged with the failed check). Never a stale result; measured in the
+README ("Persisted preparations").
+
 Each preparation owns its dynamo cache (a code object of its own), so its recompile limit is its
 own business, and everything it compiled is freed with it (rule 9).
 """
@@ -49,7 +58,7 @@ from torch.utils import _pytree as pytree
 
 from torchdi.backends import AutoCompile
 from torchdi.cache import ENV_DIR, Store, store_for
-from torchdi.engines._aoti_private import AOTInductorCompiler
+from torchdi.engines._aoti_private import AOTInductorCompiler, load_program
 from torchdi.engines._dynamo import (
     RECOMPILE_LIMIT,
     DynamoCache,
@@ -68,6 +77,7 @@ from torchdi.engines._dynamo import (
     sound_settings,
     split_marked_value,
 )
+from torchdi.engines._sealed import Sealed, SealRecorder, dumps, loads, tensor_layout
 from torchdi.errors import UnsupportedOperatorError
 from torchdi.fingerprint import fingerprint
 from torchdi.translate import (
@@ -372,6 +382,12 @@ class CompiledRunner:
         # aot_eager with its unit-by-unit pass; backend's other settings still apply)
         self._compiler = _CountingCompiler(self, backend, compiler)
         self._entry_holder: list[Any] = []  # the entry point, once made: what the finalizer releases
+        # Sealed preparations (engines/_sealed.py): the seal this preparation runs from (None: it
+        # goes through dynamo), what the recorder collects while it compiles, why it was unsealed.
+        self._sealed: Sealed | None = None
+        self._recorder: SealRecorder | None = None
+        self._warm_arguments: tuple[Any, Any, Any] | None = None
+        self._unseal_cause: str | None = None
         weakref.finalize(self, release, id(self._compiler), self._entry_holder)
 
     @property
@@ -385,11 +401,15 @@ class CompiledRunner:
     def graph_compiled(self, graph: torch.fx.GraphModule) -> None:
         """Called by the counting compiler for each graph compiled for this runner."""
         self.num_compilations += 1
+        if self._recorder is not None:
+            self._recorder.graph(graph)
         if not self.prepared:
             self.num_graphs += 1
             self.num_ops += sum(node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes)
             return
         cause = self._cache.recompile_cause() if self._cache is not None else "of a change"
+        if self._unseal_cause is not None:
+            cause, self._unseal_cause = f"the sealed program's check failed: {self._unseal_cause}", None
         logger.warning(
             "torchdi: AutoCompile recompiled the %s after preparation (compilation %d) because %s. "
             "Raw torch.compile recompiles here too; prepare again if the change is permanent.",
@@ -413,9 +433,16 @@ class CompiledRunner:
             return
         aot_inductor = self._compiler.compiler
         if isinstance(aot_inductor, AOTInductorCompiler):  # its programs persist one by one (_aoti_private)
-            self._warm_up(x, tangents, contexts)
-            programs = aot_inductor.loaded
-            self.loaded_from_cache = bool(programs) and all(programs) and len(programs) == len(aot_inductor.programs)
+            if self._load_seal(store, x, tangents, contexts):
+                return
+            self._recorder = None if self.owns_buffers else SealRecorder()
+            try:
+                self._warm_up(x, tangents, contexts)
+                programs = aot_inductor.loaded
+                self.loaded_from_cache = bool(programs) and all(programs) and len(programs) == len(aot_inductor.programs)
+                self._write_seal(store, aot_inductor)
+            finally:  # (the recorder holds what the guards named: not kept past preparation, rule 4)
+                self._recorder, self._warm_arguments = None, None
             return
         loaded = False
         payload = store.get("compiled", self.persist_key)
@@ -445,12 +472,16 @@ class CompiledRunner:
         self.float_positions = float_positions(contexts)
         self.translate = _needs_translation(contexts)
         contexts = translated(contexts)
-        inner = _with_floats_restored(self.inner, self.float_positions)
-        if self.marks_value:
-            inner = _marking_value(inner)
-        entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": inner})
+        entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": self._entry_runner()})
         self._entry_holder.append(entry)
         self._cache = DynamoCache(entry)
+        holder = weakref.ref(self)
+
+        def guards_seen(entries: Any, kept: list[bool]) -> None:  # (weakly: dynamo keeps its hooks)
+            runner = holder()
+            if runner is not None and runner._recorder is not None:
+                runner._recorder.guards(entries, kept)
+
         self._compiled = compile_function(
             entry,
             backend=self._compiler,
@@ -458,10 +489,13 @@ class CompiledRunner:
             # A preparation fixes shapes: by default (None) specialize them rather than let
             # dynamo turn a changed size or int into a symbol after a strict=False call.
             dynamic=False if self.backend.dynamic is None else self.backend.dynamic,
+            guards_seen=guards_seen if self._recorder is not None else None,
         )
         # The graph is compiled for contiguous inputs: a later call with another layout is
         # copied into this one instead of recompiling per stride.
         x, tangents, contexts = _contiguous((x, tangents, contexts))
+        if self._recorder is not None:
+            self._warm_arguments = (x, tangents, contexts)
         if self.owns_buffers:
             self.buffers = pytree.tree_map(
                 lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, (x, tangents, contexts)
@@ -543,6 +577,88 @@ class CompiledRunner:
                 self.num_ops,
             )
 
+    def _entry_runner(self) -> Any:
+        """What the entry point calls as ``runner``: the inner runner with its float contexts
+        restored and, where asked, its value marked."""
+        inner = _with_floats_restored(self.inner, self.float_positions)
+        return _marking_value(inner) if self.marks_value else inner
+
+    def _seal_key(self, arguments: tuple[Any, Any, Any]) -> str:
+        """The key of this preparation's seal: the program's key, the arguments' layouts as the
+        entry point takes them, and the settings that choose what the entry point runs."""
+        leaves, spec = pytree.tree_flatten(arguments)
+        layouts = [
+            tensor_layout(leaf) if isinstance(leaf, torch.Tensor) else [type(leaf).__qualname__, repr(leaf) if isinstance(leaf, (int, str, bool, type(None))) else None]
+            for leaf in leaves
+        ]
+        autocast = sorted((device, str(dtype)) for device, dtype in self.autocast.items())
+        return json.dumps([self.persist_key, str(spec), layouts, self.float_positions, self.marks_value, autocast])
+
+    def _load_seal(self, store: Store, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> bool:
+        """Prepare from this preparation's seal, without dynamo, where one is stored and every
+        check of it holds here (``engines/_sealed.py``); ``False``: prepare through dynamo."""
+        if self.owns_buffers or self.persist_key is None:
+            return False
+        self.autocast = _autocast_state()
+        self.float_positions = float_positions(contexts)
+        self.translate = _needs_translation(contexts)
+        arguments = _contiguous((x, tangents, translated(contexts)))
+        payload = store.get("sealed", self._seal_key(arguments))
+        seal = loads(payload) if payload is not None else None
+        if seal is None:
+            return False
+        programs = []
+        for key in seal.get("programs", ()):
+            program = load_program(store, key)
+            if program is None:
+                return False
+            programs.append(program.run)
+        try:
+            sealed = Sealed(seal, self._entry_runner(), dict(zip(("x", "tangents", "contexts"), arguments)), programs)
+        except Exception as error:  # (Unsealable, or an entry this torchdi cannot read: through dynamo)
+            logger.debug("torchdi cache: the seal of the %s does not hold here (%s)", self.name, error)
+            return False
+        self._sealed = sealed
+        self.num_compilations = self.num_graphs = 1
+        self.num_ops = int(seal.get("ops", 0))
+        self.loaded_from_cache = True
+        self.prepared = True
+        return True
+
+    def _write_seal(self, store: Store, compiler: AOTInductorCompiler) -> None:
+        """Store this preparation's seal, where it compiled one graph of AOTInductor programs
+        that were all persisted (``engines/_sealed.py`` says what else it takes)."""
+        cache, arguments, recorder = self._cache, self._warm_arguments, self._recorder
+        if cache is None or arguments is None or recorder is None or not cache.fast or len(cache.entries) != 1:
+            return
+        keys = compiler.keys
+        if not keys or any(key is None for key in keys) or any(program != "aot_inductor" for program in compiler.programs):
+            return
+        transformed = cache.entries[0][1]
+        try:
+            seal = recorder.record(self._entry_holder[-1], transformed, [str(key) for key in keys], dict(zip(("x", "tangents", "contexts"), arguments)), _spied_call(transformed, arguments))
+        except Exception as error:  # Unsealable (what stops it), or a source that did not evaluate
+            logger.debug("torchdi cache: the %s is not sealed (%s)", self.name, error)
+            return
+        seal["ops"] = self.num_ops
+        store.put("sealed", self._seal_key(arguments), dumps(seal))
+
+    def _call_sealed(self, sealed: Sealed, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[bool, Any]:
+        """The sealed program's result where every check holds (in this layout, else in the
+        compiled one); else the seal is dropped and the call goes through dynamo (counted)."""
+        if self.translate:
+            contexts = translated(contexts)
+        program = 1 if len(sealed.programs) > 1 and getattr(self.value_free, "on", False) else 0
+        held, result = sealed({"x": x, "tangents": tangents, "contexts": contexts}, program)
+        if held:
+            return True, result
+        dense = _contiguous((x, tangents, contexts))
+        held, result = sealed({"x": dense[0], "tangents": dense[1], "contexts": dense[2]}, program)
+        if held:
+            return True, result
+        self._sealed, self._unseal_cause = None, sealed.failed
+        return False, None
+
     def _through_dynamo(self, x: Any, tangents: Any, contexts: Any) -> Any:
         """Call through ``torch.compile``'s entry point (guards, recompilation if one fails)."""
         assert self._cache is not None  # made by warm_up, before the first call
@@ -567,6 +683,12 @@ class CompiledRunner:
 
     def __call__(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> Any:
         """Run the entry whose dynamo guards pass, else go through ``torch.compile``."""
+        sealed = self._sealed
+        if sealed is not None:
+            held, result = self._call_sealed(sealed, x, tangents, contexts)
+            if held:
+                return result
+            self._warm_up(x, tangents, contexts)  # (a compilation: counted and logged with the failed check)
         if self._compiled is None:
             if torch.compiler.is_compiling():
                 # Nested in another compiled runner that dynamo traces now (the outer program of
@@ -615,6 +737,27 @@ class CompiledRunner:
         if self.owns_buffers:
             return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
         return result
+
+
+def _spied_call(transformed: Callable[..., Any], arguments: tuple[Any, Any, Any]) -> tuple[list[Any], list[Any], Any]:
+    """One call of dynamo's transformed code, telling what its graph was called with and gave
+    back: ``(arguments of the graph, its outputs, the entry point's result)``."""
+    name = next(name for name in transformed.__code__.co_names if name.startswith("__compiled_fn"))
+    scope = transformed.__globals__
+    graph = scope[name]
+    seen: dict[str, list[Any]] = {}
+
+    def spy(*args: Any) -> Any:
+        outputs = graph(*args)
+        seen["args"], seen["outputs"] = list(args), list(outputs)
+        return outputs
+
+    scope[name] = spy
+    try:
+        result = transformed(*arguments)
+    finally:
+        scope[name] = graph
+    return seen["args"], seen["outputs"], result
 
 
 class _ValueFree:

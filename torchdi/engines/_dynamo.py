@@ -623,13 +623,26 @@ def without_repeated_guards(entries: Sequence[Any]) -> list[bool]:
     return keep
 
 
-def compile_function(function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None) -> Any:
+def compile_function(
+    function: Callable[..., Any], backend: Any, *, fullgraph: bool, dynamic: bool | None,
+    guards_seen: Callable[[Sequence[Any], list[bool]], None] | None = None,
+) -> Any:
     """``torch.compile(function, ...)`` with the preparation's recompile limit where torch takes
     it as an argument (the config knob covers older torch), outside dynamo's caching precompile
     (``sound_settings``: ``torch.compile`` decides at this call whether a function joins it),
-    without repeats of a guard (``without_repeated_guards``)."""
+    without repeats of a guard (``without_repeated_guards``). ``guards_seen(entries, kept)`` is
+    told every guard entry of each compilation (a seal's record, ``engines/_sealed.py``)."""
     logging.getLogger(_METRICS_LOGGER).addFilter(_metrics_filter)  # once: a filter is added once
-    extra: dict[str, Any] = {"options": {"guard_filter_fn": without_repeated_guards}}
+    guard_filter: Callable[[Sequence[Any]], list[bool]] = without_repeated_guards
+    if guards_seen is not None:
+        sink = guards_seen
+
+        def guard_filter(entries: Sequence[Any]) -> list[bool]:
+            keep = without_repeated_guards(entries)
+            sink(entries, keep)
+            return keep
+
+    extra: dict[str, Any] = {"options": {"guard_filter_fn": guard_filter}}
     if "recompile_limit" in _COMPILE_PARAMETERS:
         extra["recompile_limit"] = RECOMPILE_LIMIT
     with patched_config(sound_settings()):
