@@ -104,6 +104,16 @@ if mode == "changes":  # after a sealed load, in this process
     set_k(-2.0)
     changes["cell"] = right("g", g)
     out["changes"] = changes
+if mode == "warm":  # a dropped preparation frees its seal and programs (rule 9)
+    import gc
+    import weakref
+
+    seal = preps["f"].runner._sealed
+    if seal is not None:
+        sealed = weakref.ref(seal)
+        del preps, results, seal
+        gc.collect()
+        out["freed"] = sealed() is None
 print(json.dumps(out))
 '''
 
@@ -128,6 +138,7 @@ def test_a_sealed_preparation_loads_without_dynamo_and_never_serves_a_stale_resu
     assert warm["loaded"] == [True, True] and warm["right"] == [True, True] and warm["new_x_right"]
     assert warm["values"] == first["values"]  # the same programs: the same bits
     assert warm["compilations"] == first["compilations"] == [1, 1]
+    assert warm["freed"]
 
     # Changes a guard covers, before the load: dynamo traces (its programs load from the cache).
     for mode in ("wrapped", "deterministic", "body"):
