@@ -3,7 +3,8 @@
 A second process finds the seal (every guard dynamo installed, written down), checks each guard
 against its own objects and runs the stored AOTInductor programs: dynamo is never imported. A
 change a guard covers, made before the load (a monkeypatched torch function, another global
-state) or after it (a global, a helper function, a closure cell), goes through dynamo, which
+state) or after it (a global, a helper function, a list item, a dict entry, an attribute, a
+closure cell), goes through dynamo, which
 traces and compiles as always: the result is never stale. Each check is made against eager
 ``torch.func`` in the same process. The processes share one cold compilation (seconds each).
 """
@@ -30,6 +31,15 @@ cache, mode = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 SCALE = 2.0
 W = torch.linspace(-1, 1, 48).reshape(6, 8)
+COEFS = [1.0, 0.5]
+CONFIG = {"shift": 0.25}
+
+
+class Settings:
+    power = 2.0
+
+
+settings = Settings()
 
 
 def helper(t):
@@ -37,12 +47,12 @@ def helper(t):
 
 
 def f(x):
-    return SCALE * helper(W @ x)
+    return SCALE * helper(W @ x) * COEFS[1] + CONFIG["shift"] * (W @ x) ** settings.power
 
 
 if mode == "body":  # the same name, another body: another key, another program
     def f(x):
-        return SCALE * helper(W @ x) + x[:6]
+        return SCALE * helper(W @ x) * COEFS[1] + CONFIG["shift"] * (W @ x) ** settings.power + x[:6]
 
 
 def make(k):
@@ -101,6 +111,12 @@ if mode == "changes":  # after a sealed load, in this process
         return torch.sigmoid(t)
 
     changes["helper"] = right("f", f)
+    COEFS[1] = 4.0  # an item of a global list, a dict entry, an object's attribute: each guarded
+    changes["list"] = right("f", f)
+    CONFIG["shift"] = -1.0
+    changes["dict"] = right("f", f)
+    settings.power = 3.0
+    changes["attribute"] = right("f", f)
     set_k(-2.0)
     changes["cell"] = right("g", g)
     out["changes"] = changes
@@ -150,6 +166,7 @@ def test_a_sealed_preparation_loads_without_dynamo_and_never_serves_a_stale_resu
     assert changes["global"] == [True, 2]
     assert changes["tensor"] == [True, 2]
     assert changes["helper"] == [True, 3]
+    assert changes["list"] == [True, 4] and changes["dict"] == [True, 5] and changes["attribute"] == [True, 6]
     assert changes["cell"] == [True, 2]
 
     # A corrupt seal is ignored: dynamo prepares, right as always.
