@@ -63,8 +63,11 @@ logger = logging.getLogger("torchdi")
 #: The seal's layout version (a cache entry of another is ignored).
 SEAL_FORMAT = 1
 
-_PACKAGE_ROOTS = {"torch": str(Path(torch.__file__ or ".").resolve().parent) + "/"}
-_TORCHDI_ROOT = str(Path(__file__).resolve().parent.parent) + "/"
+# Where torch's and torchdi's code lives (a place there is pinned by their versions).
+_PACKAGE_ROOTS = {
+    "torch": str(Path(torch.__file__ or ".").resolve().parent) + "/",
+    "torchdi": str(Path(__file__).resolve().parent.parent) + "/",
+}
 
 # The attributes torch._dynamo.mark_dynamic and its kin set on a tensor (TENSOR_MATCH's hasattr guards).
 _DYNAMIC_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
@@ -112,7 +115,7 @@ def _code_place(code: types.CodeType) -> list[Any] | None:
     """Where torch's or torchdi's ``code`` is: its file under the package, qualified name and line
     (pinned by the versions in every cache entry), or ``None`` for anyone else's code."""
     filename = str(Path(code.co_filename).resolve()) if code.co_filename and not code.co_filename.startswith("<") else ""
-    for name, root in (*_PACKAGE_ROOTS.items(), ("torchdi", _TORCHDI_ROOT)):
+    for name, root in _PACKAGE_ROOTS.items():
         if filename.startswith(root):
             return [name, filename[len(root):], code.co_qualname, code.co_firstlineno]
     return None
@@ -267,34 +270,39 @@ def _global_root(key: Any, entry_globals: dict[str, Any]) -> Step:
     raise Unsealable(f"global {key!r} of the entry point")
 
 
-def _step(value: Any, step: Step) -> Any:
+def _getter(step: Step, runner: Any) -> Callable[[Any], Any]:
+    """The step as one call on the object before it (a root's: on the frame of arguments by name;
+    ``runner``: what ``("G", "runner")`` is)."""
     kind, argument = step
+    if kind == "L":
+        return operator.itemgetter(argument)
+    if kind == "G":
+        return lambda frame: runner
+    if kind == "module":
+        modules = sys.modules
+        return lambda frame: modules[argument]
+    if kind == "builtins":
+        namespace = vars(sys.modules["builtins"])
+        return lambda frame: namespace
     if kind == "attr":
-        return getattr(value, argument)
+        return operator.attrgetter(argument)
     if kind == "item":
-        return value[argument]
+        return operator.itemgetter(argument)
     if kind == "type":
-        return type(value)
+        return type
     if kind == "dict":
-        return dict(value)
+        return dict
     if kind == "key_at":
-        return list(value)[argument]
+        return lambda value: list(value)[argument]
     if kind == "value_at":
-        return list(value.values())[argument]
+        return lambda value: list(value.values())[argument]
     raise Unsealable(f"step {kind}")
 
 
-def _root(step: Step, frame: dict[str, Any], runner: Any) -> Any:
-    kind, argument = step
-    if kind == "L":
-        return frame[argument]
-    if kind == "G":
-        return runner
-    if kind == "module":
-        return sys.modules[argument]
-    if kind == "builtins":
-        return vars(sys.modules["builtins"])
-    raise Unsealable(f"root {kind}")
+def _identity_pattern(tensors: tuple[Any, ...]) -> tuple[int, ...]:
+    """Which of ``tensors`` are one object: each one's first position among them."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(tensor), n) for n, tensor in enumerate(tensors))
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -315,7 +323,7 @@ _CONTAINS = {
 }
 _VALUE = frozenset({"EQUALS_MATCH", "CONSTANT_MATCH"})
 # Implied by the other checks: each source's object is compared by identity or by metadata, and
-# the identity pattern of every tensor is compared as a whole (``Sealed._aliasing``).
+# the identity pattern of every tensor is compared as a whole (``_identity_pattern``).
 _COVERED = frozenset({"NO_TENSOR_ALIASING", "BACKEND_MATCH", "GRAD_MODE", "DETERMINISTIC_ALGORITHMS"})
 _GLOBAL = frozenset({"GLOBAL_STATE", "FUNCTORCH_STACK_MATCH", "TORCH_FUNCTION_STATE", "DUAL_LEVEL", "AUTOGRAD_SAVED_TENSORS_HOOKS", "DEFAULT_DEVICE", "SHAPE_ENV"})
 # Sub-guards a guard installs that its own check implies (a constant's type and value).
@@ -333,8 +341,8 @@ def _key_object(described: dict[str, Any]) -> Any:
     """The object a key's description names, in this process (``Unsealable``: none)."""
     if "value" in described:
         return ast.literal_eval(described["value"])
-    if "module" in described:
-        return sys.modules.get(described["module"]) or _unsealable(f"module {described['module']} is not imported")
+    if "module" in described and described["module"] in sys.modules:
+        return sys.modules[described["module"]]
     if "named" in described and describe_object(found := _resolve(*described["named"])) == described:
         return found
     raise Unsealable(f"a key described as {described} is not found here")
@@ -351,10 +359,6 @@ def _import_modules_of(described: list[dict[str, Any]]) -> None:
                 importlib.import_module(module)
             except ImportError:
                 return
-
-
-def _unsealable(why: str) -> Any:
-    raise Unsealable(why)
 
 
 # -- recording ------------------------------------------------------------------------------
@@ -405,9 +409,6 @@ class SealRecorder:
                     return (*steps, *(("attr", attribute) for attribute in attributes))
         raise Unsealable("a globals dict dynamo reached without a source")
 
-    def clear(self) -> None:
-        self.entries, self.graphs = [], []
-
     def record(self, entry: types.FunctionType, transformed: types.FunctionType, program_keys: list[str], frame: dict[str, Any], spied: tuple[list[Any], list[Any], Any]) -> dict[str, Any]:
         """The seal of a preparation that compiled one graph (``Unsealable`` otherwise).
 
@@ -439,15 +440,12 @@ class SealRecorder:
                 prefix = steps[:depth]
                 if prefix not in nodes:
                     kind, argument = prefix[-1]
-                    value = _root(prefix[-1], frame, runner) if parent < 0 else _step(found[parent], prefix[-1])
+                    value = _getter(prefix[-1], runner)(frame if parent < 0 else found[parent])
                     nodes[prefix] = len(paths)
                     paths.append([parent, kind, argument])
                     found.append(value)
                 parent = nodes[prefix]
             return parent
-
-        def evaluate(index: int) -> Any:
-            return found[index]
 
         checks: list[list[Any]] = []
         for guard in self.entries[0]:
@@ -462,7 +460,7 @@ class SealRecorder:
                     raise Unsealable("symbolic shape guards (a float context's)")
                 continue
             index = node_of(guard.name)
-            value = evaluate(index)
+            value = found[index]
             if guard.has_value and value is not guard.value and not (_simple(value) and value == guard.value):
                 raise Unsealable(f"source {guard.name!r} evaluates to another object than dynamo's")
             if kind in _IDENTITY:
@@ -492,7 +490,7 @@ class SealRecorder:
                 if not isinstance(other_name, str):
                     raise Unsealable("a DUPLICATE_INPUT guard that does not name its other source")
                 other_index = node_of(other_name)
-                if evaluate(other_index) is not value:
+                if found[other_index] is not value:
                     raise Unsealable("a DUPLICATE_INPUT guard that does not hold")
                 checks.append([index, "same", other_index])
             elif kind in _CONTAINS:
@@ -513,7 +511,7 @@ class SealRecorder:
         checks = unique
         args, outputs, result = spied
         inputs = [node_of(name) for name in self.graphs[0] or ()]
-        if len(inputs) != len(args) or any(evaluate(i) is not arg for i, arg in zip(inputs, args)):
+        if len(inputs) != len(args) or any(found[i] is not arg for i, arg in zip(inputs, args)):
             raise Unsealable("the graph's inputs are not what their sources hold")
         for i, arg in zip(inputs, args):
             if isinstance(arg, torch.Tensor) and not any(c[0] == i and c[1] == "tensor" for c in checks):
@@ -585,7 +583,7 @@ class Sealed:
         self.programs = programs
         self.nodes: list[tuple[int, Step]] = [(int(parent), (str(kind), argument)) for parent, kind, argument in seal["paths"]]
         # values[0] is the frame, node i is values[i + 1]: a root is a step from the frame.
-        self.getters = [(parent + 1, self._getter(step)) for parent, step in self.nodes]
+        self.getters = [(parent + 1, _getter(step, runner)) for parent, step in self.nodes]
         self.inputs: list[int] = [int(i) + 1 for i in seal["inputs"]]
         self.global_holds = global_state_check(seal["global"])
         values = self.evaluate(frame)
@@ -623,10 +621,12 @@ class Sealed:
                 self.checks.append((index, kind, (_key_object(payload[0]), bool(payload[1]))))
             elif kind == "same":
                 self.checks.append((index, kind, int(payload) + 1))
-            else:  # tensor, len
+            elif kind == "tensor":
+                self.checks.append((index, kind, _tensor_check(payload)))
+            else:  # len
                 self.checks.append((index, kind, payload))
-        self.tensor_sources = sorted({index for index, kind, _ in self.checks if kind == "tensor"})
-        self.aliasing = self._aliasing(values)
+        self.tensor_sources = _picker(sorted({index for index, kind, _ in self.checks if kind == "tensor"}))
+        self.aliasing = _identity_pattern(self.tensor_sources(values))
         result = seal["result"]
         self.treespec = pytree.treespec_loads(result["spec"])
         self.leaves = [(kind, int(at) if kind == "output" else ast.literal_eval(at)) for kind, at in result["leaves"]]
@@ -660,39 +660,6 @@ class Sealed:
             return None
         return values
 
-    def _getter(self, step: Step) -> Callable[[Any], Any]:
-        """The step as one call on the object before it (a root's: on the frame)."""
-        kind, argument = step
-        if kind == "L":
-            return operator.itemgetter(argument)
-        if kind == "G":
-            runner = self.runner
-            return lambda frame: runner
-        if kind == "module":
-            modules = sys.modules
-            return lambda frame: modules[argument]
-        if kind == "builtins":
-            namespace = vars(sys.modules["builtins"])
-            return lambda frame: namespace
-        if kind == "attr":
-            return operator.attrgetter(argument)
-        if kind == "item":
-            return operator.itemgetter(argument)
-        if kind == "type":
-            return type
-        if kind == "dict":
-            return dict
-        if kind == "key_at":
-            return lambda value: list(value)[argument]
-        if kind == "value_at":
-            return lambda value: list(value.values())[argument]
-        raise Unsealable(f"step {kind}")
-
-    def _aliasing(self, values: list[Any]) -> tuple[int, ...]:
-        """Which tensor sources hold one tensor (the first index of each one's object)."""
-        first: dict[int, int] = {}
-        return tuple(first.setdefault(id(values[i]), n) for n, i in enumerate(self.tensor_sources))
-
     def _grouped_checks(self) -> Callable[[list[Any]], bool]:
         """``miss`` as a few calls at C speed: the identity, type, value and length checks each
         compared as one tuple, the rest one by one. (A small MLP's sealed gradient: 36 us a call
@@ -715,10 +682,10 @@ class Sealed:
         sized, sized_expected = pair("len")
         get_code = operator.attrgetter("__code__")
         rest = [(index, kind, expected) for index, kind, expected in self.checks if kind in ("keys", "contains", "attribute", "tensor")]
-        tensors = [(index, _tensor_check(expected)) for index, kind, expected in rest if kind == "tensor"]
+        tensors = [(index, check) for index, kind, check in rest if kind == "tensor"]
         others = [(index, kind, expected) for index, kind, expected in rest if kind != "tensor"]
         same_pairs = [(index, expected) for index, kind, expected in self.checks if kind == "same"]
-        tensor_sources, aliasing = _picker(self.tensor_sources), self.aliasing
+        tensor_sources, aliasing = self.tensor_sources, self.aliasing
 
         def holds(values: list[Any]) -> bool:
             if not global_holds():
@@ -741,8 +708,7 @@ class Sealed:
             for index, other in same_pairs:
                 if values[index] is not values[other]:
                     return False
-            first: dict[int, int] = {}
-            return tuple(first.setdefault(id(tensor), n) for n, tensor in enumerate(tensor_sources(values))) == aliasing
+            return _identity_pattern(tensor_sources(values)) == aliasing
 
         return holds
 
@@ -766,13 +732,13 @@ class Sealed:
             elif kind == "same":
                 held = value is values[expected]
             elif kind == "tensor":
-                held = isinstance(value, torch.Tensor) and tensor_layout(value) == expected and not any(hasattr(value, mark) for mark in _DYNAMIC_MARKS)
+                held = expected(value)
             else:
                 held = _other_holds(value, kind, expected)
             if not held:
                 self.failed = f"the guard on {self._name(index)} ({kind})"
                 return self.failed
-        if self._aliasing(values) != self.aliasing:
+        if _identity_pattern(self.tensor_sources(values)) != self.aliasing:
             self.failed = "which tensors are one and the same"
             return self.failed
         return None
