@@ -467,11 +467,18 @@ class CompiledRunner:
         if saved is not None:  # None: the compiler keeps no artifacts (aot_eager, eager)
             store.put("compiled", self.persist_key, saved[0])
 
-    def _warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
+    def _compiled_arguments(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        """Note what the entry point is prepared for (the autocast regions, the float contexts,
+        whether contexts translate) and return the arguments as it takes them: contexts
+        translated, tensors contiguous at offset 0 (a later call with another layout is copied
+        into this one instead of recompiling per stride)."""
         self.autocast = _autocast_state()
         self.float_positions = float_positions(contexts)
         self.translate = _needs_translation(contexts)
-        contexts = translated(contexts)
+        return _contiguous((x, tangents, translated(contexts)))
+
+    def _warm_up(self, x: Any, tangents: Any, contexts: tuple[Any, ...]) -> None:
+        x, tangents, contexts = self._compiled_arguments(x, tangents, contexts)
         entry = fresh_entry_point(_entry_template, f"torchdi_{self.name.split(' ')[0]}", {"runner": self._entry_runner()})
         self._entry_holder.append(entry)
         self._cache = DynamoCache(entry)
@@ -491,9 +498,6 @@ class CompiledRunner:
             dynamic=False if self.backend.dynamic is None else self.backend.dynamic,
             guards_seen=guards_seen if self._recorder is not None else None,
         )
-        # The graph is compiled for contiguous inputs: a later call with another layout is
-        # copied into this one instead of recompiling per stride.
-        x, tangents, contexts = _contiguous((x, tangents, contexts))
         if self._recorder is not None:
             self._warm_arguments = (x, tangents, contexts)
         if self.owns_buffers:
@@ -599,10 +603,7 @@ class CompiledRunner:
         check of it holds here (``engines/_sealed.py``); ``False``: prepare through dynamo."""
         if self.owns_buffers or self.persist_key is None:
             return False
-        self.autocast = _autocast_state()
-        self.float_positions = float_positions(contexts)
-        self.translate = _needs_translation(contexts)
-        arguments = _contiguous((x, tangents, translated(contexts)))
+        arguments = self._compiled_arguments(x, tangents, contexts)
         payload = store.get("sealed", self._seal_key(arguments))
         seal = loads(payload) if payload is not None else None
         if seal is None:
@@ -614,7 +615,7 @@ class CompiledRunner:
                 return False
             programs.append(program.run)
         try:
-            sealed = Sealed(seal, self._entry_runner(), dict(zip(("x", "tangents", "contexts"), arguments)), programs)
+            sealed = Sealed(seal, self._entry_runner(), _frame(arguments), programs)
         except Exception as error:  # (Unsealable, or an entry this torchdi cannot read: through dynamo)
             logger.debug("torchdi cache: the seal of the %s does not hold here (%s)", self.name, error)
             return False
@@ -636,7 +637,7 @@ class CompiledRunner:
             return
         transformed = cache.entries[0][1]
         try:
-            seal = recorder.record(self._entry_holder[-1], transformed, [str(key) for key in keys], dict(zip(("x", "tangents", "contexts"), arguments)), _spied_call(transformed, arguments))
+            seal = recorder.record(self._entry_holder[-1], transformed, [str(key) for key in keys], _frame(arguments), _spied_call(transformed, arguments))
         except Exception as error:  # Unsealable (what stops it), or a source that did not evaluate
             logger.debug("torchdi cache: the %s is not sealed (%s)", self.name, error)
             return
@@ -653,7 +654,7 @@ class CompiledRunner:
         if held:
             return True, result
         dense = _contiguous((x, tangents, contexts))
-        held, result = sealed({"x": dense[0], "tangents": dense[1], "contexts": dense[2]}, program)
+        held, result = sealed(_frame(dense), program)
         if held:
             return True, result
         self._sealed, self._unseal_cause = None, sealed.failed
@@ -667,7 +668,7 @@ class CompiledRunner:
         forget_float_specializations()
         try:
             arguments = (x, tangents, contexts)
-            return self._cache.call(self._compiled, arguments, dict(zip(("x", "tangents", "contexts"), arguments)), _dynamo_settings())
+            return self._cache.call(self._compiled, arguments, _frame(arguments), _dynamo_settings())
         finally:
             forget_float_specializations()
 
@@ -737,6 +738,11 @@ class CompiledRunner:
         if self.owns_buffers:
             return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, result)
         return result
+
+
+def _frame(arguments: tuple[Any, Any, Any]) -> dict[str, Any]:
+    """The entry point's arguments by name, as its frame (and so dynamo's guards) names them."""
+    return dict(zip(("x", "tangents", "contexts"), arguments))
 
 
 def _spied_call(transformed: Callable[..., Any], arguments: tuple[Any, Any, Any]) -> tuple[list[Any], list[Any], Any]:
