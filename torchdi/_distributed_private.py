@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from torchdi._fence import Fence, probe
+from torchdi._fence import UNPROBED as _UNPROBED
+from torchdi._fence import Fence, probe, probed_once
 
 __all__ = [
     "FAST_PATHS",
@@ -88,17 +89,6 @@ fence = Fence(FAST_PATHS, costs={
     "(the same results, more memory per process)",
 })
 
-_UNPROBED: Any = object()
-
-
-def _probed_once(attribute: str, getter: Callable[[], Any]) -> Any:
-    """This module's ``attribute``, probed with ``getter`` on its first use (``_UNPROBED`` until
-    then: importing these parts of torch costs time that a user who never needs them should not
-    pay). ``None`` where this torch lacks them; the fence tests set it to ``None`` to say so."""
-    value = globals()[attribute]
-    if value is _UNPROBED:
-        value = globals()[attribute] = probe(getter)
-    return value
 
 
 def _import_functional_collectives() -> types.ModuleType:
@@ -185,7 +175,7 @@ def graphless_grad_and_value(func: Callable[..., Any]) -> Callable[..., Any] | N
     Only for a call with no ``torch.func`` transform and no grad mode active around it: its
     gradient can then not be differentiated again, and the graph ``torch.func`` builds for that
     (``create_graph=True``) would only hold memory until the backward ends."""
-    parts = _probed_once("_GRAD_PARTS", _import_grad_parts)
+    parts = probed_once(globals(), "_GRAD_PARTS", _import_grad_parts)
     if parts is None:
         fence.warn_off("graphless_gradient")
         return None
@@ -255,7 +245,7 @@ class PublicCollectives:
 def functional_collectives() -> Any:
     """``torch.distributed._functional_collectives``, or ``PublicCollectives`` (the same names on
     torch's public collectives) where this torch lacks it."""
-    # Not _probed_once: this runs inside the programs dynamo traces, which cannot trace globals().
+    # Not probed_once: this runs inside the programs dynamo traces, which cannot trace globals().
     global _FUNCTIONAL_COLLECTIVES
     if _FUNCTIONAL_COLLECTIVES is _UNPROBED:
         _FUNCTIONAL_COLLECTIVES = probe(_import_functional_collectives)
@@ -372,7 +362,7 @@ def schedule_units(graph: torch.fx.Graph) -> bool:
     gathers and reduces FSDP2 units one at a time (see above). Returns whether it changed it.
 
     Raises ``AttributeError`` where this torch lacks the ``_c10d_functional`` operators."""
-    ops = _probed_once("_SCHEDULE_OPS", _schedule_ops)
+    ops = probed_once(globals(), "_SCHEDULE_OPS", _schedule_ops)
     if ops is None:
         raise AttributeError("torch.ops._c10d_functional")
     gather_op, reduce_op, wait_op, moves, packs, finishes = ops
@@ -488,7 +478,7 @@ def unit_scheduled_compiler(compiler: str, mode: str | None = None, options: dic
     where it cannot be made (another compiler, or a torch without the parts: the caller then
     compiles the graph as traced, every shard at once)."""
     if compiler == "inductor":
-        inductor_parts = _probed_once("_INDUCTOR_PARTS", _import_inductor_parts)
+        inductor_parts = probed_once(globals(), "_INDUCTOR_PARTS", _import_inductor_parts)
         if inductor_parts is None or (options or {}).get("post_grad_custom_post_pass") is not None:
             fence.warn_off("unit_schedule")
             return None
@@ -496,7 +486,7 @@ def unit_scheduled_compiler(compiler: str, mode: str | None = None, options: dic
         return wrapper(mode, {**(options or {}), "post_grad_custom_post_pass": _inductor_pass(pass_base)}, dynamic)
     if compiler != "aot_eager":
         return None
-    aot_eager_parts = _probed_once("_AOT_EAGER_PARTS", _import_aot_eager_parts)
+    aot_eager_parts = probed_once(globals(), "_AOT_EAGER_PARTS", _import_aot_eager_parts)
     if aot_eager_parts is None:
         fence.warn_off("unit_schedule")
         return None

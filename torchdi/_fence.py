@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["REAL_ZEROS", "TENSOR", "Fence", "maybe_view", "probe", "tensor_version"]
+__all__ = ["REAL_ZEROS", "TENSOR", "UNPROBED", "Fence", "maybe_view", "probe", "probed_once", "tensor_version"]
 
 logger = logging.getLogger("torchdi")
 
@@ -35,6 +35,21 @@ def probe(getter: Callable[[], Any]) -> Any:
         return getter()
     except (AttributeError, ImportError, TypeError):
         return None
+
+
+#: What a fence module's lazily probed attribute holds until its first use (``probed_once``).
+UNPROBED: Any = object()
+
+
+def probed_once(namespace: dict[str, Any], attribute: str, getter: Callable[[], Any]) -> Any:
+    """A fence module's ``attribute`` (``namespace`` is its ``globals()``), probed with ``getter``
+    on first use: ``UNPROBED`` until then (importing those parts of torch costs time that a user
+    who never needs them should not pay), ``None`` where this torch lacks them (the fence tests
+    set it to ``None`` to say so)."""
+    value = namespace[attribute]
+    if value is UNPROBED:
+        value = namespace[attribute] = probe(getter)
+    return value
 
 
 class Fence:

@@ -80,7 +80,8 @@ from typing import Any, Protocol
 
 import torch
 
-from torchdi._fence import REAL_ZEROS, Fence
+from torchdi._fence import REAL_ZEROS, Fence, probed_once
+from torchdi._fence import UNPROBED as _UNPROBED
 from torchdi._fence import probe as _probe
 
 __all__ = ["FAST_PATHS", "AOTInductorCompiler", "fence", "load_program"]
@@ -94,7 +95,6 @@ FAST_PATHS = {
 }
 fence = Fence(FAST_PATHS, {"aot_inductor": "inductor's Python program of the same graph (same results, slower calls)"})
 
-_UNPROBED: Any = object()
 
 # The kind of torchdi.cache entry holding an AOTInductor program's shared library.
 _KIND = "aot_inductor"
@@ -128,10 +128,7 @@ _AOTI_API: _Api | None = _UNPROBED
 
 
 def _api() -> _Api | None:
-    global _AOTI_API
-    if _AOTI_API is _UNPROBED:
-        _AOTI_API = _probe(_aoti_api)
-    return _AOTI_API
+    return probed_once(globals(), "_AOTI_API", _aoti_api)
 
 
 # torch 2.9 .. 2.14.1: the C++ loader alone (torch._C: no inductor import), for programs loaded
@@ -179,14 +176,12 @@ _CPU_WRAPPERS: tuple[Any, type, type] | None = _UNPROBED
 def _cpu_wrapper_entry() -> tuple[Any, type, type] | None:
     """Inductor's CPU entry of its wrapper registry and its plain and array-ref C++ wrappers, or
     ``None`` (this torch lacks them, or someone registered a CPU wrapper of their own)."""
-    global _CPU_WRAPPERS
-    if _CPU_WRAPPERS is _UNPROBED:
-        _CPU_WRAPPERS = _probe(_cpu_wrappers)
-    if _CPU_WRAPPERS is None:
+    found = probed_once(globals(), "_CPU_WRAPPERS", _cpu_wrappers)
+    if found is None:
         fence.warn_off("stack_buffers")
         return None
-    entry, plain, array_ref = _CPU_WRAPPERS
-    return _CPU_WRAPPERS if entry.cpp_wrapper_codegen in (plain, array_ref) else None
+    entry, plain, array_ref = found
+    return found if entry.cpp_wrapper_codegen in (plain, array_ref) else None
 
 
 @contextlib.contextmanager

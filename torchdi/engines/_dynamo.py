@@ -117,7 +117,8 @@ from typing import Any, cast
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from torchdi._fence import REAL_ZEROS, Fence
+from torchdi._fence import REAL_ZEROS, Fence, probed_once
+from torchdi._fence import UNPROBED as _UNPROBED
 from torchdi._fence import probe as _probe
 
 __all__ = [
@@ -162,8 +163,7 @@ logger = logging.getLogger("torchdi")
 
 # -- probes (once: at import, or on first use for those that import dynamo) ----------------------
 
-# A probe not run yet (see _LAZY_PROBES).
-_UNPROBED: Any = object()
+# (_UNPROBED: a probe not run yet, see _LAZY_PROBES.)
 
 # torch 2.1 .. 2.14.1 (the C++ guard manager, CacheEntry.guard_manager, since 2.4).
 _CACHE_ENTRY_LIST: Callable[[types.CodeType], Any] | None = _probe(
@@ -328,10 +328,7 @@ _LAZY_PROBES: dict[str, Callable[[], Any]] = {
 
 def _lazy(name: str) -> Any:
     """The probe ``name`` (one of ``_LAZY_PROBES``), probed now if it was not yet."""
-    value = globals()[name]
-    if value is _UNPROBED:
-        value = globals()[name] = _probe(_LAZY_PROBES[name])
-    return value
+    return probed_once(globals(), name, _LAZY_PROBES[name])
 
 
 def graph_break_errors() -> tuple[type[BaseException], ...]:
