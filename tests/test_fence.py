@@ -59,7 +59,6 @@ FENCES = {
     "_fence.py",
     "_distributed_private.py",
     "engines/_aoti_private.py",
-    "engines/_seal_private.py",
     "engines/_dynamo.py",
     "engines/_xla_private.py",
     "sparsity/_private.py",
@@ -129,7 +128,8 @@ def test_the_fence_check_sees_private_uses():
 
 def test_every_fast_path_has_a_fence_test():
     persisted = {"artifact_scope", "compile_cache_counts"}  # fenced in tests/test_persist.py
-    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config", "real_zeros", "repeated_guards"} | persisted
+    sealed = {"sealed_programs"}  # fenced in tests/test_sealed.py
+    tested = set(DYNAMO_HOOKS) | set(AUTOGRAD_HOOKS) | set(FUNCTORCH_HOOKS) | set(OTHER_HOOKS) | {"dynamo_config", "real_zeros", "repeated_guards"} | persisted | sealed
     assert tested == set(_dynamo.FAST_PATHS)
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from torchdi.engines import _seal_private, _sealed
+from torchdi.engines import _dynamo, _sealed
 
 pytestmark = pytest.mark.inductor
 
@@ -209,8 +209,8 @@ def test_objects_are_described_by_name_where_torch_pins_them_else_by_fingerprint
 
 
 def test_the_global_state_check_sees_grad_mode_and_transforms():
-    recorded = _seal_private.global_state(_sealed.Unsealable)
-    holds = _seal_private.global_state_check(recorded)
+    recorded = _dynamo.global_state(_sealed.Unsealable)
+    holds = _dynamo.global_state_check(recorded)
     assert holds()
     with torch.no_grad():
         assert not holds()
@@ -224,7 +224,9 @@ def test_the_global_state_check_sees_grad_mode_and_transforms():
 
 
 def test_without_the_internals_nothing_is_sealed(monkeypatch):
-    monkeypatch.setattr(_seal_private, "_GLOBAL_STATE_GUARD", None)
-    monkeypatch.setattr(_seal_private.fence, "warned", set())
+    monkeypatch.setattr(_dynamo, "_GLOBAL_STATE_GUARD", None)
+    monkeypatch.setattr(_dynamo.fence, "warned", set())
     with pytest.raises(_sealed.Unsealable):
-        _seal_private.global_state(_sealed.Unsealable)
+        _dynamo.global_state(_sealed.Unsealable)
+    with pytest.raises(ValueError):
+        _dynamo.global_state_check({})

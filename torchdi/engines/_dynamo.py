@@ -87,6 +87,12 @@ The fast paths, by name (``FAST_PATHS``):
   compiled after a jacobian of the same function, crashed the process (torch 2.13). Fallback:
   ``torch.compile``'s inductor wrapper as it is (that crash is then torch's, as with raw
   ``torch.compile``), named in the warning.
+- ``"sealed_programs"``: ``torch._C._dynamo.guards.GlobalStateGuard`` (dynamo's C++ global-state
+  guard, rebuilt from its ``__getstate__`` JSON), ``torch._C._autograd.
+  _top_saved_tensors_default_hooks`` and ``torch._C._len_torch_function_stack``, with
+  ``"transforms_active"`` and ``"forward_ad_level"``: the global state a sealed preparation
+  (``engines/_sealed.py``) records and checks without importing dynamo (torch 2.9 .. 2.14.1).
+  Fallback: nothing is sealed (a warm run traces with dynamo, as before).
 
 Not a fast path but a feature: ``torch.autograd.grad(is_grads_batched=True)``,
 ``torch.autograd.functional.jacobian/hessian(vectorize=True)`` and
@@ -110,6 +116,7 @@ import inspect
 import itertools
 import logging
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -140,6 +147,8 @@ __all__ = [
     "forget_float_specializations",
     "graph_break_errors",
     "forward_ad_level",
+    "global_state",
+    "global_state_check",
     "functorch_level",
     "functorch_unwrapped",
     "is_compiling",
@@ -219,6 +228,11 @@ _TRANSFORMS_ACTIVE: Callable[[], bool] | None = _probe(lambda: torch._C._are_fun
 
 # torch 1.10 .. 2.14.1: the innermost open dual level (-1: none).
 _FORWARD_AD_LEVEL: bool = isinstance(_probe(lambda: fwAD._current_level), int)
+
+# torch 2.9 .. 2.14.1: C++ objects, reachable without importing torch._dynamo ("sealed_programs").
+_GLOBAL_STATE_GUARD: Any = _probe(lambda: torch._C._dynamo.guards.GlobalStateGuard)
+_TOP_SAVED_TENSORS_HOOKS: Callable[[bool], Any] | None = _probe(lambda: torch._C._autograd._top_saved_tensors_default_hooks)
+_TORCH_FUNCTION_STACK: Callable[[], int] | None = _probe(lambda: torch._C._len_torch_function_stack)
 
 # torch 1.x .. 2.14.1.
 _SET_GRAD_ENABLED: Callable[[bool], None] | None = _probe(lambda: torch._C._set_grad_enabled)
@@ -433,6 +447,8 @@ FAST_PATHS: dict[str, str] = {
     "value_free_graph": "a value-free copy of a traced gradient graph (the plain gradient skips f's final reduction)",
     "real_zeros": "inductor's compile_fx and default decompositions, to compile forward mode's ZeroTensors as real zeros",
     "repeated_guards": "leaving out repeats of dynamo's functorch-stack guard (one Python call each per program call)",
+    "sealed_programs": "checking dynamo's global-state guards without importing dynamo (GlobalStateGuard, the mode and hook "
+    "stacks), so that a persisted AOTInductor preparation loads without dynamo",
 }
 
 # What a fallback costs when it is more than time (the others are slower, never different).
@@ -446,6 +462,7 @@ _COSTS: dict[str, str] = {
         "jvp of their own (AutoFiniteDiff); torch refuses the others ('Nested forward mode AD is not supported'), "
         "torch.func.jvp around g works for all"
     ),
+    "sealed_programs": "dynamo's import and trace on every warm run of a persisted aot_inductor preparation (about a second)",
 }
 
 fence = Fence(FAST_PATHS, _COSTS)
@@ -814,6 +831,62 @@ def forward_ad_level() -> int:
         warn_off("forward_ad_level")
         return 0
     return int(getattr(fwAD, "_current_level", 0))
+
+
+def _current_device() -> str | None:
+    device = getattr(sys.modules.get("torch.utils._device"), "CURRENT_DEVICE", None)
+    return None if device is None else str(device)
+
+
+def _seal_internals() -> bool:
+    """Whether this torch lets a seal read back every global state dynamo guards."""
+    if _GLOBAL_STATE_GUARD is None or _TOP_SAVED_TENSORS_HOOKS is None or _TORCH_FUNCTION_STACK is None or _TRANSFORMS_ACTIVE is None or not _FORWARD_AD_LEVEL:
+        warn_off("sealed_programs")
+        return False
+    return True
+
+
+def global_state(refusal: type[Exception]) -> dict[str, Any]:
+    """The global state dynamo guards, now, written down for a seal (``engines/_sealed.py``).
+
+    Args:
+        refusal: raised (with why) where a seal cannot check that state: this torch lacks the
+            internals, or a ``torch.func`` transform, a ``TorchFunctionMode`` or saved-tensors
+            hooks are active (states a seal does not record).
+
+    Returns:
+        ``{"state": GlobalStateGuard's JSON, "dual_level": ..., "device": ...}``.
+    """
+    if not _seal_internals():
+        raise refusal("this torch lacks the global-state internals")
+    assert _TORCH_FUNCTION_STACK is not None and _TOP_SAVED_TENSORS_HOOKS is not None
+    if transforms_active():
+        raise refusal("a torch.func transform is active")
+    if _TORCH_FUNCTION_STACK() != 0:
+        raise refusal("a TorchFunctionMode is active")
+    if _TOP_SAVED_TENSORS_HOOKS(True) is not None:
+        raise refusal("saved-tensors hooks are active")
+    return {"state": _GLOBAL_STATE_GUARD().__getstate__(), "dual_level": forward_ad_level(), "device": _current_device()}
+
+
+def global_state_check(recorded: dict[str, Any]) -> Callable[[], bool]:
+    """A check that the global state is ``recorded`` (``global_state``'s) again; raises
+    ``ValueError`` when this torch cannot read it back."""
+    if not _seal_internals():
+        raise ValueError("this torch lacks the global-state internals")
+    assert _TORCH_FUNCTION_STACK is not None and _TOP_SAVED_TENSORS_HOOKS is not None and _TRANSFORMS_ACTIVE is not None
+    guard = _GLOBAL_STATE_GUARD.__new__(_GLOBAL_STATE_GUARD)
+    guard.__setstate__(recorded["state"])
+    check, level, device = guard.check, recorded["dual_level"], recorded["device"]
+    active, hooks, modes = _TRANSFORMS_ACTIVE, _TOP_SAVED_TENSORS_HOOKS, _TORCH_FUNCTION_STACK
+
+    def global_state_holds() -> bool:
+        return (
+            bool(check()) and not active() and modes() == 0 and hooks(True) is None
+            and forward_ad_level() == level and _current_device() == device
+        )
+
+    return global_state_holds
 
 
 def apply_function(function: Any, *args: Any) -> Any:

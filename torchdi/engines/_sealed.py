@@ -29,7 +29,7 @@ What is sealed, and what is not (a refusal only means the preparation goes throu
   interpreter stack (empty), the torch-function mode stack (empty), the forward-AD level, the
   saved-tensors hooks (none) and the default device.
 
-The global state's private internals are fenced in ``engines/_seal_private.py``; dynamo's guard
+The global state's private internals are fenced in ``engines/_dynamo.py`` (``"sealed_programs"``); dynamo's guard
 entries' fields (``guard_type``, ``name``, ``value``, ``derived_guard_types``, ``orig_guard.
 create_fn``) and its graph inputs' ``grapharg`` sources are read here, and any that a torch
 lacks makes the seal's record fail: nothing is sealed, the preparation goes through dynamo.
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchdi.engines._seal_private import global_state, global_state_check
+from torchdi.engines._dynamo import global_state, global_state_check
 from torchdi.fingerprint import SIMPLE_TYPES, fingerprint, trusted_module
 
 __all__ = ["SEAL_FORMAT", "Sealed", "SealRecorder", "Unsealable", "describe_object", "dumps", "loads", "tensor_layout"]
